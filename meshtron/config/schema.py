@@ -1,0 +1,262 @@
+"""The typed configuration of a run: one dataclass per component under `RunConfig`.
+
+Every knob is declared here exactly once (type, default, help). Cross-field checks live in each
+class's `validate()` and raise `ConfigError` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from meshtron.config.fields import ConfigError, check, option
+
+LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP"}
+
+
+@dataclass
+class ModelConfig:
+    layer_pattern: str = option("", "Sublayer symbols in order: '*' attention, '-' MLP; empty derives '*-' * num_layers")
+    num_layers: int = option(4, "Transformer layers (attention + MLP) when layer_pattern is empty")
+    hidden_size: int = option(256, "Model width")
+    num_attention_heads: int = option(4, "Query heads per attention sublayer")
+    num_query_groups: Optional[int] = option(None, "Key/value heads for GQA/MQA; null means one per query head")
+    kv_channels: Optional[int] = option(None, "Head dimension; null means hidden_size / num_attention_heads")
+    ffn_hidden_size: Optional[int] = option(None, "MLP inner width; null means 4 * hidden_size")
+    vocab_size: Optional[int] = option(None, "Vocabulary size; null takes the tokenizer's size")
+    make_vocab_size_divisible_by: int = option(128, "Pad the vocabulary to a multiple of this (faster matmuls)")
+    max_position_embeddings: int = option(2048, "Longest sequence the model supports")
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = option("rope", "How positions enter the model")
+    rotary_base: float = option(10000.0, "RoPE theta")
+    normalization: Literal["RMSNorm", "LayerNorm"] = option("RMSNorm", "Norm before every sublayer and at the end")
+    norm_epsilon: float = option(1e-5, "Epsilon of the norms")
+    activation: Literal["swiglu", "gelu", "squared_relu", "quick_geglu"] = option("swiglu", "MLP activation")
+    add_bias_linear: bool = option(False, "Biases in the attention output and MLP linear layers")
+    add_qkv_bias: bool = option(False, "Biases in the query/key/value projection")
+    tie_word_embeddings: bool = option(False, "Share the input embedding with the output head")
+    init_method_std: float = option(0.02, "Std of the normal init of weights")
+    scaled_init: bool = option(True, "Scale output-projection init by 1/sqrt(2 * num_layers)")
+    attention_dropout: float = option(0.0, "Dropout on attention probabilities")
+    hidden_dropout: float = option(0.0, "Dropout on each sublayer's output before the residual add")
+
+    @property
+    def pattern(self) -> str:
+        return self.layer_pattern or "*-" * self.num_layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def num_transformer_layers(self) -> int:
+        """Depth used by scaled init: the number of attention sublayers (at least 1)."""
+        return max(1, self.pattern.count("*"))
+
+    def validate(self) -> None:
+        bad = sorted(set(self.pattern) - set(LAYER_SYMBOLS))
+        allowed = ", ".join(f"'{s}' {n}" for s, n in LAYER_SYMBOLS.items())
+        check(not bad, "model.layer_pattern", self.pattern, f"unknown symbol(s) {bad}; use {allowed}")
+        check(self.num_layers >= 1, "model.num_layers", self.num_layers, "must be >= 1")
+        check(self.hidden_size >= 1, "model.hidden_size", self.hidden_size, "must be >= 1")
+        check(self.num_attention_heads >= 1, "model.num_attention_heads", self.num_attention_heads, "must be >= 1")
+        if self.kv_channels is None:
+            check(self.hidden_size % self.num_attention_heads == 0, "model.num_attention_heads",
+                  self.num_attention_heads, f"must divide hidden_size={self.hidden_size} (or set model.kv_channels)")
+        check(self.num_attention_heads % self.num_kv_heads == 0, "model.num_query_groups", self.num_query_groups,
+              f"must divide num_attention_heads={self.num_attention_heads}")
+        check(self.max_position_embeddings >= 1, "model.max_position_embeddings", self.max_position_embeddings, "must be >= 1")
+        check(self.head_dim % 2 == 0 or self.position_embedding_type != "rope", "model.kv_channels", self.head_dim,
+              "RoPE needs an even head dimension")
+        check(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
+              self.make_vocab_size_divisible_by, "must be >= 1")
+        for name in ("attention_dropout", "hidden_dropout"):
+            v = getattr(self, name)
+            check(0.0 <= v < 1.0, f"model.{name}", v, "must be in [0, 1)")
+        check(self.init_method_std > 0, "model.init_method_std", self.init_method_std, "must be > 0")
+        check(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = option(1, "Data-parallel replicas (HSDP outer axis)")
+    dp_shard: int = option(-1, "FSDP shard degree; -1 takes what the other axes leave of the world size")
+    cp: int = option(1, "Context-parallel degree")
+    tp: int = option(1, "Tensor-parallel degree")
+    pp: int = option(1, "Pipeline-parallel degree")
+    ep: int = option(1, "Expert-parallel degree")
+    timeout_s: float = option(600.0, "Timeout of every collective and process group, in seconds")
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+            check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
+        check(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard, "must be -1 or >= 1")
+        check(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
+
+
+@dataclass
+class OptimizerConfig:
+    type: Literal["adam", "sgd"] = option("adam", "Optimizer")
+    lr: float = option(1e-3, "Peak learning rate")
+    weight_decay: float = option(0.1, "Weight decay (never applied to norms and biases)")
+    decoupled_weight_decay: bool = option(True, "Adam only: decoupled weight decay (AdamW) instead of L2 in the gradient")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.95, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    sgd_momentum: float = option(0.0, "SGD momentum")
+    clip_grad: float = option(1.0, "Clip the global gradient norm to this; 0 disables clipping")
+
+    def validate(self) -> None:
+        check(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
+        check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "must be >= 0")
+        check(0 <= self.adam_beta1 < 1, "optimizer.adam_beta1", self.adam_beta1, "must be in [0, 1)")
+        check(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", self.adam_beta2, "must be in [0, 1)")
+        check(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "must be > 0")
+        check(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
+        check(self.sgd_momentum >= 0, "optimizer.sgd_momentum", self.sgd_momentum, "must be >= 0")
+
+
+@dataclass
+class SchedulerConfig:
+    warmup_steps: int = option(100, "Linear warmup steps from warmup_init_lr to optimizer.lr")
+    warmup_init_lr: float = option(0.0, "Learning rate at step 0")
+    decay_style: Literal["cosine", "linear", "constant", "WSD"] = option("cosine", "Decay after warmup")
+    decay_steps: Optional[int] = option(None, "Step at which decay reaches min_lr; null means train.train_iters")
+    min_lr: float = option(1e-4, "Learning rate at the end of decay")
+    wsd_decay_steps: Optional[int] = option(None, "WSD: length of the final decay phase; null means 10% of decay_steps")
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = option("linear", "WSD: shape of the final decay")
+
+    def validate(self) -> None:
+        check(self.warmup_steps >= 0, "scheduler.warmup_steps", self.warmup_steps, "must be >= 0")
+        check(self.min_lr >= 0, "scheduler.min_lr", self.min_lr, "must be >= 0")
+        check(self.warmup_init_lr >= 0, "scheduler.warmup_init_lr", self.warmup_init_lr, "must be >= 0")
+        if self.decay_steps is not None:
+            check(self.decay_steps >= 1, "scheduler.decay_steps", self.decay_steps, "must be >= 1 or null")
+        if self.wsd_decay_steps is not None:
+            check(self.wsd_decay_steps >= 1, "scheduler.wsd_decay_steps", self.wsd_decay_steps, "must be >= 1 or null")
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = option(1000, "Optimizer steps to run")
+    micro_batch_size: int = option(8, "Sequences per forward/backward")
+    global_batch_size: int = option(8, "Sequences per optimizer step (micro-batches are accumulated)")
+    seed: int = option(1234, "Seed of parameter init, dropout and sampling")
+    precision: Literal["fp32", "bf16"] = option("fp32", "Compute precision (bf16 autocast; train fp32 on CPU)")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "Where to train; auto picks cuda when available")
+    num_threads: Optional[int] = option(None, "torch intra-op threads; null leaves PyTorch's default")
+    eval_interval: int = option(100, "Evaluate every N steps (0 disables)")
+    eval_iters: int = option(10, "Validation micro-batches per evaluation")
+    max_nonfinite_steps: int = option(5, "Stop after this many consecutive steps with non-finite loss or grad norm")
+    peak_flops: Optional[float] = option(None, "Peak FLOP/s for MFU; null measures a matmul at start-up")
+    run_dir: str = option("runs/default", "Directory for the resolved config, metrics and checkpoints")
+    debug_nonfinite_steps: list[int] = option([], "Testing aid: force a non-finite loss at these steps")
+
+    def validate(self) -> None:
+        check(self.train_iters >= 1, "train.train_iters", self.train_iters, "must be >= 1")
+        check(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "must be >= 1")
+        check(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "must be >= 1")
+        check(self.eval_interval >= 0, "train.eval_interval", self.eval_interval, "must be >= 0")
+        check(self.eval_iters >= 1, "train.eval_iters", self.eval_iters, "must be >= 1")
+        check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", self.max_nonfinite_steps, "must be >= 1")
+        if self.num_threads is not None:
+            check(self.num_threads >= 1, "train.num_threads", self.num_threads, "must be >= 1 or null")
+        if self.peak_flops is not None:
+            check(self.peak_flops > 0, "train.peak_flops", self.peak_flops, "must be > 0 or null")
+
+
+@dataclass
+class TokenizerConfig:
+    type: Literal["byte"] = option("byte", "Tokenizer kind")
+    path: Optional[str] = option(None, "Tokenizer file or directory (unused by the byte tokenizer)")
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = option([], "Dataset sources; empty uses the embedded corpus (CPython standard library sources)")
+    split: str = option("969,30,1", "Train/valid/test weights over documents, e.g. '969,30,1'")
+    seq_length: int = option(256, "Tokens per training sequence")
+    seed: int = option(1234, "Seed of the document split and sample shuffle")
+    reset_attention_mask: bool = option(False, "Attention never crosses document boundaries inside a sample")
+    reset_position_ids: bool = option(False, "Positions restart at 0 at each document inside a sample")
+
+    def split_weights(self) -> list[float]:
+        try:
+            parts = [float(p) for p in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            raise ConfigError(f"data.split: {self.split!r} is not allowed; give three numbers like '969,30,1'") from None
+        parts += [0.0] * (3 - len(parts))
+        check(len(parts) == 3 and all(p >= 0 for p in parts) and parts[0] > 0, "data.split", self.split,
+              "give up to three non-negative numbers with a positive train weight, like '969,30,1'")
+        total = sum(parts)
+        return [p / total for p in parts]
+
+    def validate(self) -> None:
+        check(self.seq_length >= 1, "data.seq_length", self.seq_length, "must be >= 1")
+        self.split_weights()
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = option(None, "Directory for checkpoints; null means <run_dir>/checkpoints")
+    save_interval: int = option(0, "Save every N steps (0: only at the end)")
+    save_at_end: bool = option(True, "Save when training finishes")
+    load: Optional[str] = option(None, "Resume from this checkpoint directory (a step dir or its parent with 'latest')")
+    keep_last: int = option(3, "Keep only the newest N checkpoints (0 keeps all)")
+    async_save: bool = option(False, "Write checkpoints in a background thread")
+
+    def validate(self) -> None:
+        check(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval, "must be >= 0")
+        check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be >= 0")
+
+
+@dataclass
+class LoggerConfig:
+    log_interval: int = option(10, "Log metrics every N steps")
+    progress_bar: Literal["auto", "on", "off"] = option("auto", "Progress bar (auto: only on a terminal)")
+    tensorboard: bool = option(False, "Write TensorBoard events to <run_dir>/tensorboard (extra 'track')")
+    wandb: bool = option(False, "Log to Weights & Biases in offline mode (extra 'track')")
+    wandb_project: str = option("meshtron", "W&B project name")
+
+    def validate(self) -> None:
+        check(self.log_interval >= 1, "logger.log_interval", self.log_interval, "must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def validate(self, world_size: int = 1) -> None:
+        """Check every section, then the fields that depend on each other."""
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        t, m = self.train, self.model
+        check(t.global_batch_size % t.micro_batch_size == 0, "train.global_batch_size", t.global_batch_size,
+              f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
+        check(self.data.seq_length <= m.max_position_embeddings, "data.seq_length", self.data.seq_length,
+              f"must be <= model.max_position_embeddings={m.max_position_embeddings}")
+        p = self.parallel
+        sizes = (p.dp_replicate, max(p.dp_shard, 1), p.cp, p.tp, p.pp, p.ep)
+        check(world_size == 1 and all(s == 1 for s in sizes), "parallel", "world size %d" % world_size,
+              "this version trains in one process: keep every parallel size 1 and run without torchrun")
+
+
+SECTIONS = tuple(RunConfig.__dataclass_fields__)

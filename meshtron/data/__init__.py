@@ -1,0 +1,1 @@
+"""Data: tokenizers, the embedded corpus, datasets, sampling and batching."""

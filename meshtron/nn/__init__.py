@@ -1,0 +1,1 @@
+"""Layers as math, single-device: norms, rotary, attention, MLP, loss, and the context objects."""
