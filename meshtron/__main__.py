@@ -1,0 +1,5 @@
+import sys
+
+from meshtron.cli import main
+
+sys.exit(main())

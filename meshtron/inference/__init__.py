@@ -1,0 +1,1 @@
+"""Inference: sampling and (for now) a simple generation loop."""

@@ -1,0 +1,29 @@
+"""Peak FLOP/s for MFU: a configured value, or a square matmul measured in this process
+(fp32 on CPU, where bf16 is far slower; the compute dtype on CUDA)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024,
+                         repeats: int = 5) -> float:
+    """Median FLOP/s of `size`^3 matmuls on `device`."""
+    gen = torch.Generator(device=device).manual_seed(0)  # leave the global RNG untouched
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2.0 * size**3 / times[len(times) // 2]

@@ -1,0 +1,89 @@
+"""Metric sinks: a JSONL file (always), the console (or a progress bar on a terminal), and
+TensorBoard / Weights & Biases (offline) as optional extras imported only when enabled."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from meshtron.config.schema import LoggerConfig
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        if key == "lr":
+            return f"{key} {value:.3e}"
+        if math.isfinite(value) and 0 < abs(value) < 1e-3:
+            return f"{key} {value:.3e}"
+        if abs(value) >= 100:
+            return f"{key} {value:.1f}"
+        return f"{key} {value:.4f}"
+    return f"{key} {value}"
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, total_steps: int, config_dict: Optional[dict] = None,
+                 initial_step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        use_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stderr.isatty())
+        self._bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+        self._tb = self._wandb = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("logger.tensorboard needs the 'track' extra: pip install 'meshtron[track]'") from None
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("logger.wandb needs the 'track' extra: pip install 'meshtron[track]'") from None
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.run_dir), config=config_dict or {})
+
+    def message(self, text: str) -> None:
+        """A human-readable line that does not break the progress bar."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train", echo: bool = True) -> None:
+        record = {"kind": kind, "step": step, "time": time.time(), **metrics}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(f"{kind}/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({f"{kind}/{k}": v for k, v in numeric.items()}, step=step)
+        if echo:
+            self.message(f"[{kind}] step {step} | " + " | ".join(_fmt(k, v) for k, v in metrics.items()))
+
+    def advance(self, n: int = 1, loss: Optional[float] = None) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._jsonl.close()

@@ -1,0 +1,25 @@
+"""Optimizer construction: Adam/AdamW or SGD, with weight decay only on matrices
+(never on norms, biases or other 1-D parameters)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtron.config.schema import OptimizerConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.type == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
+    return cls(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
