@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed in one line
+        return int(e.code or 0)
     from meshtron.checkpoint import CheckpointError
     from meshtron.training import TrainingError
 

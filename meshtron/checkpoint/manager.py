@@ -18,8 +18,10 @@ import re
 import shutil
 import threading
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,7 +32,14 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class CheckpointError(RuntimeError):
@@ -146,7 +155,8 @@ class CheckpointManager:
         tmp = self.save_dir / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        dcp.save(state, checkpoint_id=str(tmp))
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(tmp))
         torch.save(trainer_state, tmp / TRAINER_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
         _write_manifest(tmp, step)
@@ -176,7 +186,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     verify_checkpoint(step_dir)
     state = model_optimizer_state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(step_dir))
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(step_dir))
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

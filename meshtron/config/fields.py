@@ -48,6 +48,9 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         return coerce(value, inner[0], path)
     if origin is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
+            spellings = ("on", "true", "yes") if value else ("off", "false", "no")
+            value = next((a for a in allowed if str(a).lower() in spellings), value)
         for a in allowed:
             if value == a or str(value) == str(a):
                 return a

@@ -33,6 +33,8 @@ def _assign(cfg: RunConfig, section: str, name: str, raw: Any) -> None:
 
 def _parse_scalar(text: str) -> Any:
     """Parse a command-line value as YAML so that `2`, `true`, `null` and `[a, b]` mean what they say."""
+    if text.lower() in ("on", "off", "yes", "no"):
+        return text  # YAML 1.1 would turn these into booleans; bool fields accept the words themselves
     try:
         return yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
@@ -105,7 +107,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             default = getattr(getattr(defaults, section), f.name)
             group.add_argument(
                 f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS, metavar="V",
-                help=f"{f.metadata['help']} [{type_name(tp)}; default: {default!r}]",
+                help=f"{f.metadata['help']} [{type_name(tp)}; default: {default!r}]".replace("%", "%%"),
             )
 
 

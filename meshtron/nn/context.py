@@ -29,7 +29,7 @@ class PackedContext:
 
     @classmethod
     def for_tokens(cls, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
-                   positions: Optional[torch.Tensor] = None) -> "PackedContext":
+                   positions: Optional[torch.Tensor] = None) -> PackedContext:
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         return cls(positions=positions, document_ids=document_ids)
@@ -65,7 +65,7 @@ class KVCacheContext:
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _num_new: int = 0
 
-    def begin(self, tokens: torch.Tensor) -> "KVCacheContext":
+    def begin(self, tokens: torch.Tensor) -> KVCacheContext:
         """Prepare positions for a forward over `tokens` (batch, new) appended after `offset`."""
         self._num_new = tokens.shape[1]
         if self.offset + self._num_new > self.max_len:
