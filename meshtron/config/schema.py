@@ -174,21 +174,49 @@ class TrainConfig:
 
 @dataclass
 class TokenizerConfig:
-    type: Literal["byte"] = option("byte", "Tokenizer kind")
-    path: Optional[str] = option(None, "Tokenizer file or directory (unused by the byte tokenizer)")
+    type: Literal["byte", "hf", "sentencepiece", "tiktoken"] = option(
+        "byte", "Tokenizer kind: byte (no files), hf (a tokenizer.json directory), sentencepiece (.model), tiktoken (BPE file)")
+    path: Optional[str] = option(None, "Tokenizer directory (hf) or file (sentencepiece, tiktoken); unused by byte")
+    eod_token: Optional[str] = option(None, "End-of-document token; null reads the tokenizer's eos (or <|endoftext|>)")
+    pad_token: Optional[str] = option(None, "Padding token; null reads the tokenizer's pad (or <|pad|>), else adds one id")
+    bos_token: Optional[str] = option(None, "Beginning-of-sequence token; null reads the tokenizer's bos if it has one")
+    allow_ambiguous_pad_tokens: bool = option(
+        False, "Accept a pad id equal to the eod or bos id (padding then cannot be told apart from real tokens)")
+    tiktoken_pattern: str = option("cl100k", "tiktoken: pre-split regex, or a preset name: gpt2, cl100k")
+    tiktoken_special_tokens: list[str] = option(
+        ["<|endoftext|>", "<|pad|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"],
+        "tiktoken: special tokens after the BPE ranks, in order; 'TOKEN=ID' pins an id")
 
     def validate(self) -> None:
-        pass
+        check(self.type == "byte" or bool(self.path), "tokenizer.path", self.path,
+              f"tokenizer.type {self.type} needs a path (a tokenizer.json directory, .model or .tiktoken file)")
+        for entry in self.tiktoken_special_tokens:
+            token, _, pinned = entry.rpartition("=") if "=" in entry else (entry, "", "")
+            check(bool(token) and (not pinned or pinned.isdigit()), "tokenizer.tiktoken_special_tokens", entry,
+                  "give TOKEN or TOKEN=ID with a non-negative integer id")
 
 
 @dataclass
 class DataConfig:
-    paths: list[str] = option([], "Dataset sources; empty uses the embedded corpus (CPython standard library sources)")
+    paths: list[str] = option([], "Indexed dataset prefixes, optionally weighted: [0.7, prefA, 0.3, prefB]; "
+                                  "empty uses the embedded corpus (CPython standard library sources)")
     split: str = option("969,30,1", "Train/valid/test weights over documents, e.g. '969,30,1'")
     seq_length: int = option(256, "Tokens per training sequence")
     seed: int = option(1234, "Seed of the document split and sample shuffle")
     reset_attention_mask: bool = option(False, "Attention never crosses document boundaries inside a sample")
     reset_position_ids: bool = option(False, "Positions restart at 0 at each document inside a sample")
+    cache_dir: Optional[str] = option(None, "Where dataset indices are cached; null means '<prefix dir>/cache' next to the data")
+    packing: Literal["concat", "best_fit"] = option(
+        "concat", "concat: samples cut from the document stream; best_fit: whole documents packed per sample, padded")
+    fim_rate: float = option(0.0, "Fill-in-the-middle: probability that a document (or fragment) is rearranged")
+    fim_spm_rate: float = option(0.5, "FIM: probability of the SPM order instead of PSM for a rearranged document")
+    fim_split_sample: Optional[str] = option(None, "FIM: token that splits a document into fragments rearranged one by one")
+    fim_fragment_rate: float = option(0.5, "FIM: probability of rearranging each fragment when fim_split_sample is set")
+    fim_no_prefix: Optional[str] = option(None, "FIM: documents starting with this string are never rearranged")
+    fim_prefix_token: str = option("<|fim_prefix|>", "FIM sentinel before the prefix")
+    fim_middle_token: str = option("<|fim_middle|>", "FIM sentinel before the middle")
+    fim_suffix_token: str = option("<|fim_suffix|>", "FIM sentinel before the suffix")
+    fim_pad_token: Optional[str] = option(None, "FIM padding token; null uses the tokenizer's pad token")
 
     def split_weights(self) -> list[float]:
         try:
@@ -201,9 +229,39 @@ class DataConfig:
         total = sum(parts)
         return [p / total for p in parts]
 
+    def blend(self) -> tuple[list[float], list[str]]:
+        """`paths` as (normalised weights, prefixes): [a, b] weighs by nothing (equal), [w1, a, w2, b] by w."""
+        paths = list(self.paths)
+        if not paths:
+            return [], []
+        if len(paths) == 1 or not _is_number(paths[0]):
+            check(not any(_is_number(p) for p in paths), "data.paths", paths,
+                  "either give prefixes only, or alternate weight and prefix: [0.7, prefA, 0.3, prefB]")
+            return [1.0 / len(paths)] * len(paths), paths
+        check(len(paths) % 2 == 0, "data.paths", paths, "alternate weight and prefix: [0.7, prefA, 0.3, prefB]")
+        weights, prefixes = paths[0::2], paths[1::2]
+        check(all(_is_number(w) for w in weights) and not any(_is_number(p) for p in prefixes), "data.paths", paths,
+              "alternate weight and prefix: [0.7, prefA, 0.3, prefB]")
+        values = [float(w) for w in weights]
+        check(all(v >= 0 for v in values) and sum(values) > 0, "data.paths", paths,
+              "weights must be non-negative with a positive sum")
+        return [v / sum(values) for v in values], prefixes
+
     def validate(self) -> None:
         check(self.seq_length >= 1, "data.seq_length", self.seq_length, "must be >= 1")
         self.split_weights()
+        self.blend()
+        for name in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
+            v = getattr(self, name)
+            check(0.0 <= v <= 1.0, f"data.{name}", v, "must be in [0, 1]")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -255,7 +313,7 @@ class RunConfig:
               f"must be <= model.max_position_embeddings={m.max_position_embeddings}")
         p = self.parallel
         sizes = (p.dp_replicate, max(p.dp_shard, 1), p.cp, p.tp, p.pp, p.ep)
-        check(world_size == 1 and all(s == 1 for s in sizes), "parallel", "world size %d" % world_size,
+        check(world_size == 1 and all(s == 1 for s in sizes), "parallel", f"world size {world_size}",
               "this version trains in one process: keep every parallel size 1 and run without torchrun")
 
 

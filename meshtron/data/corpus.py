@@ -3,10 +3,11 @@ present on every machine (`sysconfig.get_paths()["stdlib"]`), in a fixed, sorted
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -30,3 +31,20 @@ def iter_stdlib_documents(root: Path | None = None) -> Iterator[tuple[str, str]]
     root = root or stdlib_root()
     for path in stdlib_files(root):
         yield str(path.relative_to(root)), path.read_bytes().decode("utf-8", errors="replace")
+
+
+STDLIB_LICENSE = "PSF-2.0"  # the Python Software Foundation License covers the standard library sources
+
+
+def write_stdlib_jsonl(output: str | Path, root: Path | None = None) -> int:
+    """Write one JSON line {"text", "path", "license"} per stdlib source file; returns the number written."""
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rel_path, text in iter_stdlib_documents(root):
+            f.write(json.dumps({"text": text, "path": rel_path, "license": STDLIB_LICENSE}, ensure_ascii=False) + "\n")
+            count += 1
+    tmp.replace(out)
+    return count

@@ -4,7 +4,7 @@ token, so every token is a label exactly once). Used for the embedded stdlib cor
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
