@@ -8,6 +8,7 @@ the shard directory is removed. A manifest refuses to resume with different inpu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -65,7 +66,8 @@ def _open_work_dir(opts: PreprocessOptions) -> tuple[Path, int]:
     if manifest_path.is_file():
         previous = json.loads(manifest_path.read_text())
         if opts.shard_bytes is None or opts.shard_bytes == previous.get("shard_bytes"):
-            if _manifest(opts, previous["shard_bytes"]) == previous:
+            # Compare through JSON so tuples and lists read the same.
+            if json.loads(json.dumps(_manifest(opts, previous["shard_bytes"]))) == previous:
                 return work_dir, previous["shard_bytes"]
         raise ValueError(f"--output-prefix: {work_dir} holds an unfinished run with other inputs or options; "
                          "re-run with the same arguments to resume, or delete that directory to start over")
@@ -80,7 +82,6 @@ _WORKER: dict = {}
 
 def _init_worker(tokenizer_cfg: TokenizerConfig) -> None:
     # One thread per worker: the pool is the parallelism (and forked Rust thread pools misbehave).
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["tokenizer"] = build_tokenizer(tokenizer_cfg)
 
 
@@ -159,23 +160,32 @@ def preprocess(opts: PreprocessOptions, *, max_shards: int | None = None) -> Ind
     return dataset
 
 
+@contextlib.contextmanager
+def _single_threaded_tokenizers():
+    """TOKENIZERS_PARALLELISM=false while preprocessing (restored after): one thread per worker."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
 def _map_jobs(jobs: list[tuple], opts: PreprocessOptions):
     """Run jobs in a process pool (results in completion order), or in this process for one worker."""
-    if opts.num_workers == 1 or len(jobs) <= 1:
-        saved = os.environ.get("TOKENIZERS_PARALLELISM")
-        _init_worker(opts.tokenizer)
-        try:
+    with _single_threaded_tokenizers():
+        if opts.num_workers == 1 or len(jobs) <= 1:
+            _init_worker(opts.tokenizer)
             for job in jobs:
                 yield process_shard(*job)
-        finally:
-            if saved is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = saved
-        return
-    # fork starts workers in milliseconds; the parent has run no torch op, so forking is safe here.
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    ctx = multiprocessing.get_context(method)
-    with ctx.Pool(min(opts.num_workers, len(jobs)), initializer=_init_worker, initargs=(opts.tokenizer,)) as pool:
-        yield from pool.imap_unordered(_run_one, jobs)
+            return
+        # fork starts workers in milliseconds; the parent has run no torch op in the CLI, and workers
+        # never touch torch, so forking is safe here.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        ctx = multiprocessing.get_context(method)
+        num_procs = min(opts.num_workers, len(jobs))
+        with ctx.Pool(num_procs, initializer=_init_worker, initargs=(opts.tokenizer,)) as pool:
+            yield from pool.imap_unordered(_run_one, jobs)

@@ -1,0 +1,173 @@
+"""Data verbs of the `meshtron` command line: tokenizer train, corpus stdlib, preprocess, data merge/info.
+
+`register(subparsers)` adds them to the main CLI; `python -m meshtron.data.commands ...` runs them
+alone. Handlers return an exit code; a user error prints one line to stderr and returns 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+from meshtron.config.schema import TokenizerConfig
+
+
+def _user_errors(handler):
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ValueError as e:   # ConfigError and IndexedDatasetError are ValueErrors
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+def _tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
+    from meshtron.data.tokenizer import tokenizer_config_for
+
+    if args.config:
+        from meshtron.config.loader import load_config
+
+        cfg = load_config(args.config).tokenizer
+    elif args.tokenizer:
+        cfg = tokenizer_config_for(args.tokenizer, args.tokenizer_type)
+    else:
+        raise ValueError("--tokenizer: give a tokenizer (byte, a tokenizer.json directory, a .model or .tiktoken "
+                         "file) or --config with a tokenizer section")
+    for flag in ("eod_token", "pad_token"):
+        if getattr(args, flag):
+            setattr(cfg, flag, getattr(args, flag))
+    if args.allow_ambiguous_pad_tokens:
+        cfg.allow_ambiguous_pad_tokens = True
+    cfg.validate()
+    return cfg
+
+
+@_user_errors
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from meshtron.data.tokenizer_train import train_bpe
+
+    out = train_bpe(args.input, args.vocab_size, args.output, json_key=args.json_key, text_unit=args.text_unit,
+                    min_frequency=args.min_frequency, max_documents=args.max_documents)
+    print(f"wrote {out}/tokenizer.json (byte-level BPE, vocab {args.vocab_size})")
+    return 0
+
+
+@_user_errors
+def cmd_corpus_stdlib(args: argparse.Namespace) -> int:
+    from meshtron.data.corpus import write_stdlib_jsonl
+
+    count = write_stdlib_jsonl(args.output)
+    print(f"wrote {args.output}: {count} documents")
+    return 0
+
+
+@_user_errors
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from meshtron.data.preprocess import PreprocessOptions, preprocess
+
+    opts = PreprocessOptions(
+        inputs=args.input, output_prefix=args.output_prefix, tokenizer=_tokenizer_config(args),
+        json_key=args.json_key, text_unit=args.text_unit, append_eod=args.append_eod, num_workers=args.workers,
+        shard_bytes=int(args.shard_size_mb * (1 << 20)) if args.shard_size_mb else None,
+        keep_shards=args.keep_shards, progress=not args.no_progress,
+    )
+    ds = preprocess(opts)
+    print(f"wrote {args.output_prefix}.bin/.idx: {ds.num_docs} documents, {ds.num_tokens} tokens ({ds.dtype})")
+    return 0
+
+
+@_user_errors
+def cmd_data_merge(args: argparse.Namespace) -> int:
+    from meshtron.data.indexed import merge_datasets
+
+    ds = merge_datasets(args.input, args.output_prefix, verify=not args.no_verify)
+    print(f"wrote {args.output_prefix}.bin/.idx: {ds.num_docs} documents, {ds.num_tokens} tokens ({ds.dtype})")
+    return 0
+
+
+@_user_errors
+def cmd_data_info(args: argparse.Namespace) -> int:
+    from meshtron.data.indexed import IndexedDataset
+
+    for prefix in args.prefix:
+        ds = IndexedDataset(prefix)
+        if args.verify:
+            ds.verify()
+        sizes = ds.sizes
+        longest = int(sizes.max()) if len(sizes) else 0
+        print(f"{prefix}: {ds.num_docs} documents, {ds.num_tokens} tokens, dtype {ds.dtype}, "
+              f"vocab_size {ds.vocab_size}, longest document {longest}" + (", checksum ok" if args.verify else ""))
+    return 0
+
+
+def _add_input_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="jsonl files (.jsonl/.json/.ndjson), text files, or directories of them")
+    p.add_argument("--json-key", default="text", help="jsonl field holding the document text (default: text)")
+    p.add_argument("--text-unit", choices=("file", "line"), default="file",
+                   help="for text files: one document per file (default) or per line")
+
+
+def register(subparsers) -> None:
+    """Add the data verbs to an argparse subparsers object."""
+    tok = subparsers.add_parser("tokenizer", help="train tokenizers")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer (saved as a HF tokenizer directory)")
+    _add_input_args(train)
+    train.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size incl. special tokens (default 8192)")
+    train.add_argument("--output", required=True, metavar="DIR", help="directory for tokenizer.json and its config")
+    train.add_argument("--min-frequency", type=int, default=2, help="merge pairs seen at least this often (default 2)")
+    train.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
+    train.set_defaults(func=cmd_tokenizer_train)
+
+    corpus = subparsers.add_parser("corpus", help="export the embedded corpus")
+    corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
+    stdlib = corpus_sub.add_parser("stdlib", help="write the CPython stdlib sources as jsonl (text, path, license)")
+    stdlib.add_argument("--output", required=True, metavar="FILE", help="jsonl file to write")
+    stdlib.set_defaults(func=cmd_corpus_stdlib)
+
+    pre = subparsers.add_parser("preprocess", help="tokenize jsonl/text into an indexed PREFIX.bin/.idx dataset")
+    _add_input_args(pre)
+    pre.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    pre.add_argument("--tokenizer", metavar="SPEC", help="byte, a tokenizer.json directory, a .model or .tiktoken file")
+    pre.add_argument("--tokenizer-type", choices=("byte", "hf", "sentencepiece", "tiktoken"),
+                     help="tokenizer kind when it cannot be told from --tokenizer")
+    pre.add_argument("--config", help="take the tokenizer section of this run config instead of --tokenizer")
+    pre.add_argument("--eod-token", help="end-of-document token (default: the tokenizer's eos)")
+    pre.add_argument("--pad-token", help="padding token (default: the tokenizer's pad)")
+    pre.add_argument("--allow-ambiguous-pad-tokens", action="store_true", help="accept a pad id equal to eod or bos")
+    pre.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
+    pre.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    pre.add_argument("--shard-size-mb", type=float, default=None, help="input bytes per shard (default: sized to the input)")
+    pre.add_argument("--keep-shards", action="store_true", help="keep PREFIX.shards/ after merging")
+    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pre.set_defaults(func=cmd_preprocess)
+
+    data = subparsers.add_parser("data", help="indexed dataset tools")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    merge = data_sub.add_parser("merge", help="concatenate indexed datasets in order")
+    merge.add_argument("--input", nargs="+", required=True, metavar="PREFIX", help="prefixes to join, in order")
+    merge.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    merge.add_argument("--no-verify", action="store_true", help="skip the checksum check of the inputs")
+    merge.set_defaults(func=cmd_data_merge)
+    info = data_sub.add_parser("info", help="print the size of indexed datasets (and check them)")
+    info.add_argument("prefix", nargs="+", help="dataset prefixes")
+    info.add_argument("--verify", action="store_true", help="recompute the checksum of the tokens")
+    info.set_defaults(func=cmd_data_info)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshtron.config.loader import OneLineParser
+
+    parser = OneLineParser(prog="meshtron", description="meshtron data commands")
+    register(parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
