@@ -3,8 +3,8 @@
 Counts: dataset d gets floor(w_d * size) samples, and the samples left over go to the largest
 remainders, so every count is within one sample of w_d * size and they sum to `size`.
 Interleave: the k-th sample of dataset d is due at time (k + 1/2) / count_d; all samples are merged
-by due time (ties by dataset order), which spreads each dataset evenly over the whole mixture, so
-any prefix of the blend also follows the weights to about one sample. Both are deterministic and
+by due time (ties by dataset order), which spreads each dataset evenly over the whole mixture: any
+prefix of m samples holds w_d * m of dataset d to within 3/2 + w_d * num_datasets / 2 samples. Both are deterministic and
 cached next to the first dataset's data.
 """
 

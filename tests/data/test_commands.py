@@ -1,0 +1,73 @@
+"""The data verbs end to end through their argparse entry point: corpus stdlib, tokenizer train,
+preprocess, data merge and data info; user errors give one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtron.data.commands import main
+from meshtron.data.corpus import STDLIB_LICENSE, stdlib_files, stdlib_root
+from meshtron.data.indexed import IndexedDataset
+from meshtron.data.tokenizer import build_tokenizer, tokenizer_config_for
+
+
+def test_corpus_stdlib_writes_one_line_per_source_file(tmp_path, capsys):
+    out = tmp_path / "stdlib.jsonl"
+    assert main(["corpus", "stdlib", "--output", str(out)]) == 0
+    files = stdlib_files()
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == len(files)
+    first = json.loads(lines[0])
+    assert set(first) == {"text", "path", "license"} and first["license"] == STDLIB_LICENSE
+    assert first["path"] == str(files[0].relative_to(stdlib_root()))
+    assert first["text"] == files[0].read_bytes().decode("utf-8", errors="replace")
+    assert f"{len(files)} documents" in capsys.readouterr().out
+
+
+def test_train_preprocess_merge_info(tmp_path, jsonl_file, documents, capsys):
+    tok_dir = tmp_path / "tok"
+    assert main(["tokenizer", "train", "--input", str(jsonl_file), "--vocab-size", "400",
+                 "--output", str(tok_dir)]) == 0
+    tok = build_tokenizer(tokenizer_config_for(str(tok_dir)))
+    for k, part in enumerate((documents[:15], documents[15:])):
+        path = tmp_path / f"part{k}.jsonl"
+        path.write_text("".join(json.dumps({"body": d}) + "\n" for d in part), encoding="utf-8")
+        assert main(["preprocess", "--input", str(path), "--json-key", "body", "--tokenizer", str(tok_dir),
+                     "--output-prefix", str(tmp_path / f"p{k}"), "--workers", "2", "--append-eod",
+                     "--no-progress"]) == 0
+    assert main(["data", "merge", "--input", str(tmp_path / "p0"), str(tmp_path / "p1"),
+                 "--output-prefix", str(tmp_path / "all")]) == 0
+    merged = IndexedDataset(tmp_path / "all")
+    assert [merged[k].tolist() for k in range(len(merged))] == [tok.encode(d) + [tok.eod_id] for d in documents]
+    capsys.readouterr()
+    assert main(["data", "info", str(tmp_path / "all"), "--verify"]) == 0
+    assert f"{len(documents)} documents" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["data", "info", "/nonexistent/prefix"], "not found"),
+    (["preprocess", "--input", "/nonexistent", "--tokenizer", "byte", "--output-prefix", "/tmp/x"], "--input"),
+    (["preprocess", "--input", "/nonexistent", "--output-prefix", "/tmp/x"], "--tokenizer"),
+    (["preprocess", "--input", ".", "--tokenizer", "/nonexistent/dir", "--output-prefix", "/tmp/x"], "tokenizer.path"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and err.count("\n") == 1
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["preprocess", "--input", "x"])
+    assert e.value.code == 2 and "--output-prefix" in capsys.readouterr().err
+
+
+def test_module_entry_point(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "meshtron.data.commands", "data", "info", str(tmp_path / "none")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("error:")
