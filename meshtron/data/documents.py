@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+# Our own outputs, which may sit inside an input directory, are never read as text.
+OUTPUT_SUFFIXES = (".bin", ".idx", ".partial", ".npy")
 DEFAULT_SHARD_BYTES = 16 << 20
 
 
@@ -34,7 +36,8 @@ class Shard:
 
 
 def list_input_files(inputs: list[str]) -> list[Path]:
-    """Files named directly, plus every non-hidden file under named directories, in sorted order."""
+    """Files named directly, plus every non-hidden file under named directories, in sorted order
+    (skipping .bin/.idx/.npy outputs and PREFIX.shards/ directories)."""
     files: list[Path] = []
     for item in inputs:
         p = Path(item)
@@ -42,7 +45,8 @@ def list_input_files(inputs: list[str]) -> list[Path]:
             files.append(p)
         elif p.is_dir():
             found = [f for f in sorted(p.rglob("*"))
-                     if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+                     if f.is_file() and not f.name.endswith(OUTPUT_SUFFIXES)
+                     and not any(part.startswith(".") or part.endswith(".shards") for part in f.relative_to(p).parts)]
             files += found
         else:
             raise ValueError(f"--input: {item!r} is neither a file nor a directory")

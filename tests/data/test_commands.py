@@ -67,7 +67,9 @@ def test_usage_errors_exit_2(capsys):
 def test_module_entry_point(tmp_path):
     import subprocess
     import sys
+    from pathlib import Path
 
+    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "meshtron.data.commands", "data", "info", str(tmp_path / "none")],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, cwd=repo)
     assert out.returncode == 2 and out.stderr.startswith("error:")
