@@ -29,8 +29,9 @@ def type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of: " + ", ".join(str(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return type_name(inner[0]) + " or null"
+        args = get_args(tp)
+        names = " or ".join(type_name(a) for a in args if a is not type(None))
+        return names + (" or null" if type(None) in args else "")
     if origin is list:
         return f"list[{type_name(get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
@@ -45,7 +46,17 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
-        return coerce(value, inner[0], path)
+        if len(inner) == 1:
+            return coerce(value, inner[0], path)
+        # int-or-list style unions: a list-looking value goes to the list member, anything else tries
+        # the members in declaration order; the error names every accepted form in one line.
+        listish = isinstance(value, (list, tuple)) or (isinstance(value, str) and ("," in value or "[" in value))
+        for member in sorted(inner, key=lambda a: get_origin(a) is not list) if listish else inner:
+            try:
+                return coerce(value, member, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
         if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans

@@ -7,7 +7,7 @@ class's `validate()` and raise `ConfigError` naming the field and what is allowe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from meshtron.config.fields import ConfigError, check, option
 
@@ -26,14 +26,50 @@ class ModelConfig:
     vocab_size: Optional[int] = option(None, "Vocabulary size; null takes the tokenizer's size")
     make_vocab_size_divisible_by: int = option(128, "Pad the vocabulary to a multiple of this (faster matmuls)")
     max_position_embeddings: int = option(2048, "Longest sequence the model supports")
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = option("rope", "How positions enter the model")
+    position_embedding_type: Literal["rope", "yarn", "learned_absolute", "none"] = option(
+        "rope", "How positions enter the model: rope, yarn (RoPE with YaRN scaling), learned_absolute, none")
     rotary_base: float = option(10000.0, "RoPE theta")
+    rotary_percent: float = option(1.0, "Fraction of each head's dimensions that RoPE rotates (the first ones)")
+    rotary_interleaved: bool = option(False, "RoPE rotates adjacent pairs (x0,x1),(x2,x3).. instead of the two halves")
+    rope_scaling: bool = option(False, "Llama-3 frequency scaling of RoPE (position_embedding_type rope)")
+    rope_scaling_factor: float = option(8.0, "Llama-3 scaling: divide the low frequencies by this")
+    rope_scaling_low_freq_factor: float = option(1.0, "Llama-3 scaling: wavelengths above original/low are scaled")
+    rope_scaling_high_freq_factor: float = option(4.0, "Llama-3 scaling: wavelengths below original/high are kept")
+    rope_scaling_original_max_position_embeddings: int = option(8192, "Llama-3 scaling: pre-training context length")
+    yarn_rotary_scaling_factor: float = option(1.0, "YaRN: context extension factor s (interpolated dims divide by s)")
+    yarn_original_max_position_embeddings: int = option(4096, "YaRN: pre-training context length")
+    yarn_beta_fast: float = option(32.0, "YaRN: dims rotating more than this many times are extrapolated (kept)")
+    yarn_beta_slow: float = option(1.0, "YaRN: dims rotating fewer than this many times are fully interpolated")
+    yarn_mscale: float = option(1.0, "YaRN: cos/sin scale is mscale(s, yarn_mscale) / mscale(s, yarn_mscale_all_dim)")
+    yarn_mscale_all_dim: float = option(0.0, "YaRN: also multiplies the softmax scale by mscale(s, this)^2")
+    correction_range_round_to_int: bool = option(True, "YaRN: round the correction range to whole dimensions")
     normalization: Literal["RMSNorm", "LayerNorm"] = option("RMSNorm", "Norm before every sublayer and at the end")
     norm_epsilon: float = option(1e-5, "Epsilon of the norms")
-    activation: Literal["swiglu", "gelu", "squared_relu", "quick_geglu"] = option("swiglu", "MLP activation")
+    activation: Literal["swiglu", "geglu", "geglu_tanh", "quick_geglu", "gelu", "gelu_tanh", "quick_gelu",
+                        "squared_relu"] = option("swiglu", "MLP activation; *glu are gated (three matrices)")
+    activation_func_clamp_value: Optional[float] = option(
+        None, "Gated MLPs: clamp the gate to <= c and the linear branch to [-c, c] (GPT-OSS uses 7.0)")
+    glu_linear_offset: float = option(0.0, "Gated MLPs: act(gate) * (linear + offset) (GPT-OSS uses 1.0)")
     add_bias_linear: bool = option(False, "Biases in the attention output and MLP linear layers")
     add_qkv_bias: bool = option(False, "Biases in the query/key/value projection")
+    qk_layernorm: bool = option(False, "Normalise each query and key head (model.normalization) before RoPE")
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = option(
+        "vanilla", "Attention softmax: vanilla, off-by-one (a virtual sink logit 0), learnable (a sink logit per head)")
+    softmax_scale: Optional[float] = option(None, "Attention logit scale; null means 1/sqrt(query-key head dim)")
+    window_size: Optional[int] = option(None, "Sliding-window attention: a token sees itself and the window_size-1 "
+                                              "tokens before it; null means full causal attention")
+    window_attn_skip_freq: Union[int, list[int], None] = option(
+        None, "With window_size: N makes every N-th attention layer full (1-based); a list gives each attention "
+              "layer 1 (window) or 0 (full); null windows every layer")
+    multi_latent_attention: bool = option(False, "Multi-latent attention (DeepSeek-V2/V3) instead of GQA")
+    q_lora_rank: Optional[int] = option(None, "MLA: query latent rank; null projects queries directly")
+    kv_lora_rank: int = option(512, "MLA: key/value latent rank")
+    qk_head_dim: int = option(128, "MLA: per-head query/key dims without position")
+    qk_pos_emb_head_dim: int = option(64, "MLA: per-head query/key dims that carry RoPE (key part shared by heads)")
+    v_head_dim: int = option(128, "MLA: per-head value dims")
     tie_word_embeddings: bool = option(False, "Share the input embedding with the output head")
+    mtp_num_layers: int = option(0, "Multi-token prediction depths (DeepSeek-V3); depth k predicts token t+k+1")
+    mtp_loss_scaling_factor: float = option(0.1, "MTP: loss weight; the total adds factor / mtp_num_layers * sum of depth losses")
     init_method_std: float = option(0.02, "Std of the normal init of weights")
     scaled_init: bool = option(True, "Scale output-projection init by 1/sqrt(2 * num_layers)")
     attention_dropout: float = option(0.0, "Dropout on attention probabilities")
@@ -60,6 +96,28 @@ class ModelConfig:
         """Depth used by scaled init: the number of attention sublayers (at least 1)."""
         return max(1, self.pattern.count("*"))
 
+    @property
+    def uses_rope(self) -> bool:
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions RoPE rotates per head: MLA's position part, else a fraction of the head."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
+        return int(self.head_dim * self.rotary_percent)
+
+    def is_window_layer(self, attention_index: int) -> bool:
+        """Whether the attention sublayer number `attention_index` (0-based, counting '*' only) is windowed."""
+        if self.window_size is None:
+            return False
+        skip = self.window_attn_skip_freq
+        if skip is None:
+            return True
+        if isinstance(skip, int):
+            return (attention_index + 1) % skip != 0
+        return bool(skip[attention_index])
+
     def validate(self) -> None:
         bad = sorted(set(self.pattern) - set(LAYER_SYMBOLS))
         allowed = ", ".join(f"'{s}' {n}" for s, n in LAYER_SYMBOLS.items())
@@ -67,14 +125,12 @@ class ModelConfig:
         check(self.num_layers >= 1, "model.num_layers", self.num_layers, "must be >= 1")
         check(self.hidden_size >= 1, "model.hidden_size", self.hidden_size, "must be >= 1")
         check(self.num_attention_heads >= 1, "model.num_attention_heads", self.num_attention_heads, "must be >= 1")
-        if self.kv_channels is None:
+        if self.kv_channels is None and not self.multi_latent_attention:
             check(self.hidden_size % self.num_attention_heads == 0, "model.num_attention_heads",
                   self.num_attention_heads, f"must divide hidden_size={self.hidden_size} (or set model.kv_channels)")
         check(self.num_attention_heads % self.num_kv_heads == 0, "model.num_query_groups", self.num_query_groups,
               f"must divide num_attention_heads={self.num_attention_heads}")
         check(self.max_position_embeddings >= 1, "model.max_position_embeddings", self.max_position_embeddings, "must be >= 1")
-        check(self.head_dim % 2 == 0 or self.position_embedding_type != "rope", "model.kv_channels", self.head_dim,
-              "RoPE needs an even head dimension")
         check(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
               self.make_vocab_size_divisible_by, "must be >= 1")
         for name in ("attention_dropout", "hidden_dropout"):
@@ -82,6 +138,63 @@ class ModelConfig:
             check(0.0 <= v < 1.0, f"model.{name}", v, "must be in [0, 1)")
         check(self.init_method_std > 0, "model.init_method_std", self.init_method_std, "must be > 0")
         check(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
+        self._validate_positions()
+        self._validate_attention()
+        self._validate_mlp_and_mtp()
+
+    def _validate_positions(self) -> None:
+        check(0.0 < self.rotary_percent <= 1.0, "model.rotary_percent", self.rotary_percent, "must be in (0, 1]")
+        if self.uses_rope:
+            field = "model.qk_pos_emb_head_dim" if self.multi_latent_attention else "model.rotary_percent"
+            check(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0, field, self.rotary_dim,
+                  "RoPE needs an even number (>= 2) of rotated dimensions per head")
+        check(not self.rope_scaling or self.position_embedding_type == "rope", "model.rope_scaling", self.rope_scaling,
+              "Llama-3 scaling needs position_embedding_type rope (YaRN is position_embedding_type yarn)")
+        if self.rope_scaling:
+            check(self.rope_scaling_factor > 0, "model.rope_scaling_factor", self.rope_scaling_factor, "must be > 0")
+            check(self.rope_scaling_high_freq_factor > self.rope_scaling_low_freq_factor > 0,
+                  "model.rope_scaling_high_freq_factor", self.rope_scaling_high_freq_factor,
+                  f"must be > rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} > 0")
+            check(self.rope_scaling_original_max_position_embeddings >= 1,
+                  "model.rope_scaling_original_max_position_embeddings",
+                  self.rope_scaling_original_max_position_embeddings, "must be >= 1")
+        check(self.yarn_rotary_scaling_factor > 0, "model.yarn_rotary_scaling_factor", self.yarn_rotary_scaling_factor,
+              "must be > 0")
+        check(self.yarn_original_max_position_embeddings >= 1, "model.yarn_original_max_position_embeddings",
+              self.yarn_original_max_position_embeddings, "must be >= 1")
+        check(self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0, "model.yarn_beta_slow", self.yarn_beta_slow,
+              "yarn_beta_fast and yarn_beta_slow must be > 0")
+
+    def _validate_attention(self) -> None:
+        if self.softmax_scale is not None:
+            check(self.softmax_scale > 0, "model.softmax_scale", self.softmax_scale, "must be > 0 or null")
+        if self.window_size is not None:
+            check(self.window_size >= 1, "model.window_size", self.window_size, "must be >= 1 or null")
+        skip = self.window_attn_skip_freq
+        if isinstance(skip, int):
+            check(skip >= 1, "model.window_attn_skip_freq", skip, "must be >= 1, a list of 0/1, or null")
+        elif isinstance(skip, list):
+            n = self.pattern.count("*")
+            check(len(skip) == n and all(v in (0, 1) for v in skip), "model.window_attn_skip_freq", skip,
+                  f"give one 0 (full) or 1 (window) per attention layer ({n} of them)")
+        if self.multi_latent_attention:
+            check(not self.qk_layernorm, "model.qk_layernorm", self.qk_layernorm,
+                  "multi_latent_attention always normalises its latents; set qk_layernorm false")
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                check(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+            if self.q_lora_rank is not None:
+                check(self.q_lora_rank >= 1, "model.q_lora_rank", self.q_lora_rank, "must be >= 1 or null")
+
+    def _validate_mlp_and_mtp(self) -> None:
+        gated = self.activation.endswith("glu")
+        if self.activation_func_clamp_value is not None:
+            check(gated and self.activation_func_clamp_value > 0, "model.activation_func_clamp_value",
+                  self.activation_func_clamp_value, "must be > 0 and needs a gated activation (*glu)")
+        check(self.glu_linear_offset == 0.0 or gated, "model.glu_linear_offset", self.glu_linear_offset,
+              "needs a gated activation (*glu)")
+        check(self.mtp_num_layers >= 0, "model.mtp_num_layers", self.mtp_num_layers, "must be >= 0")
+        check(self.mtp_loss_scaling_factor >= 0, "model.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor,
+              "must be >= 0")
 
 
 @dataclass
@@ -158,6 +271,8 @@ class TrainConfig:
     peak_flops: Optional[float] = option(None, "Peak FLOP/s for MFU; null measures a matmul at start-up")
     run_dir: str = option("runs/default", "Directory for the resolved config, metrics and checkpoints")
     debug_nonfinite_steps: list[int] = option([], "Testing aid: force a non-finite loss at these steps")
+    init_from_hf: Optional[str] = option(None, "Start from a Hugging Face model directory (config.json + safetensors): "
+                                               "architecture and weights come from it, dropout/init/MTP from model.*")
 
     def validate(self) -> None:
         check(self.train_iters >= 1, "train.train_iters", self.train_iters, "must be >= 1")

@@ -1,5 +1,6 @@
-"""The decoder: token embedding, one residual sublayer per symbol of the layer pattern, final norm
-and output head. Each sublayer computes x = x + dropout(f(norm(x), ctx)).
+"""The decoder: token embedding (plus learned positions or RoPE), one residual sublayer per symbol of
+the layer pattern, final norm and output head; optionally multi-token-prediction depths.
+Each sublayer computes x = x + dropout(f(norm(x), ctx)).
 """
 
 from __future__ import annotations
@@ -11,37 +12,17 @@ import torch
 from torch import nn
 
 from meshtron.config.schema import ModelConfig
-from meshtron.nn.attention import Attention
+from meshtron.models.accounting import count_parameters, flops_per_token, padded_vocab_size
+from meshtron.models.blocks import Sublayer, build_sublayers
+from meshtron.models.mtp import MTPDepth, shift_left
 from meshtron.nn.context import PackedContext
-from meshtron.nn.mlp import ACTIVATIONS, MLP
 from meshtron.nn.norm import build_norm
-from meshtron.nn.rotary import RotaryEmbedding
+from meshtron.nn.rope_scaling import build_rotary
 
+__all__ = ["GPTModel", "Sublayer", "count_parameters", "flops_per_token", "padded_vocab_size"]
 
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
-
-
-class Sublayer(nn.Module):
-    """Pre-norm residual wrapper around one mixer ('*' attention or '-' MLP)."""
-
-    def __init__(self, symbol: str, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.symbol = symbol
-        self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
-        if symbol == "*":
-            self.mixer: nn.Module = Attention(
-                cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim, layer_id=layer_id,
-                qkv_bias=cfg.add_qkv_bias, out_bias=cfg.add_bias_linear, dropout=cfg.attention_dropout,
-            )
-        elif symbol == "-":
-            self.mixer = MLP(cfg.hidden_size, cfg.ffn_size, cfg.activation, bias=cfg.add_bias_linear)
-        else:
-            raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}")
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
-
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        return x + self.dropout(self.mixer(self.norm(x), ctx))
+# Parameter names ending like this are residual-branch outputs: their init is scaled by depth.
+OUTPUT_PROJECTIONS = (".wo", ".w_down")
 
 
 class GPTModel(nn.Module):
@@ -57,28 +38,39 @@ class GPTModel(nn.Module):
             nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             if cfg.position_embedding_type == "learned_absolute" else None
         )
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        self.rotary = build_rotary(cfg)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(Sublayer(s, cfg, i) for i, s in enumerate(cfg.pattern))
+        self.layers = build_sublayers(cfg)
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_size, bias=False)
+        n = len(cfg.pattern)
+        self.mtp = nn.ModuleList(MTPDepth(cfg, n + 2 * k) for k in range(cfg.mtp_num_layers))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, std) weights; output projections scaled by 1/sqrt(2 * depth); zero biases; unit norms."""
+        """Normal(0, std) weights; output projections scaled by 1/sqrt(2 * depth); zero biases and sink
+        logits; unit norms (set by the norm modules themselves)."""
         std = self.cfg.init_method_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_transformer_layers) if self.cfg.scaled_init else std
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                is_output_proj = name.endswith(".wo") or name.endswith(".w_down")
-                nn.init.normal_(module.weight, 0.0, out_std if is_output_proj else std)
+                nn.init.normal_(module.weight, 0.0, out_std if name.endswith(OUTPUT_PROJECTIONS) else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
+            elif getattr(module, "sinks", None) is not None:
+                nn.init.zeros_(module.sinks)
 
-    def forward(self, tokens: torch.Tensor, ctx=None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab)."""
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Normalised hidden states (batch, seq, hidden) -> logits (batch, seq, vocab)."""
+        if self.output is None:
+            return nn.functional.linear(h, self.embedding.weight)
+        return self.output(h)
+
+    def forward(self, tokens: torch.Tensor, ctx=None, return_mtp: bool = False):
+        """tokens (batch, seq) -> logits (batch, seq, vocab);
+        with return_mtp, (logits, [logits of MTP depth k = 1..D]) where depth k predicts t_{i+k+1}."""
         if ctx is None:
             ctx = PackedContext.for_tokens(tokens)
         h = self.embedding(tokens)
@@ -89,49 +81,11 @@ class GPTModel(nn.Module):
         h = self.embedding_dropout(h)
         for layer in self.layers:
             h = layer(h, ctx)
-        h = self.final_norm(h)
-        if self.output is None:
-            return nn.functional.linear(h, self.embedding.weight)
-        return self.output(h)
-
-
-def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
-    """Closed-form parameter count of `GPTModel(cfg, vocab_size)` (vocab already padded or not)."""
-    v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
-    d, hd = cfg.hidden_size, cfg.head_dim
-    norm = d if cfg.normalization == "RMSNorm" else 2 * d
-    attn = (d * cfg.num_attention_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_attention_heads * hd * d)
-    if cfg.add_qkv_bias:
-        attn += (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * hd
-    if cfg.add_bias_linear:
-        attn += d
-    gated = ACTIVATIONS[cfg.activation][1]
-    f = cfg.ffn_size
-    mlp = (3 if gated else 2) * d * f
-    if cfg.add_bias_linear:
-        mlp += (2 if gated else 1) * f + d
-    total = v * d + norm  # embedding + final norm
-    if cfg.position_embedding_type == "learned_absolute":
-        total += cfg.max_position_embeddings * d
-    if not cfg.tie_word_embeddings:
-        total += v * d
-    for s in cfg.pattern:
-        total += norm + (attn if s == "*" else mlp)
-    return total
-
-
-def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style accounting.
-
-    forward = 2 * P_matmul + sum over attention sublayers of 2 * 2 * seq * heads * head_dim
-    where P_matmul counts every weight used in a matmul (sublayer projections and the output head,
-    not the embedding lookup) and the second term is QK^T and AV without halving for causality.
-    training = 3 * forward = 6 * P_matmul + 12 * n_attn * seq * heads * head_dim.
-    """
-    v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
-    d, hd, h, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
-    attn_w = d * h * hd + 2 * d * g * hd + h * hd * d
-    mlp_w = (3 if ACTIVATIONS[cfg.activation][1] else 2) * d * cfg.ffn_size
-    matmul_params = v * d + sum(attn_w if s == "*" else mlp_w for s in cfg.pattern)
-    n_attn = cfg.pattern.count("*")
-    return 6.0 * matmul_params + 12.0 * n_attn * seq_length * h * hd
+        logits = self.head(self.final_norm(h))
+        if not return_mtp:
+            return logits
+        mtp_logits = []
+        for k, depth in enumerate(self.mtp, start=1):
+            h = depth(h, self.embedding(shift_left(tokens, k)), ctx)
+            mtp_logits.append(self.head(depth.final_norm(h)))
+        return logits, mtp_logits

@@ -4,6 +4,11 @@ Mixers take `forward(x, ctx)`. Training passes a `PackedContext` (causal, option
 document boundaries); the simple generator passes a `KVCacheContext` that appends keys/values to a
 contiguous per-layer cache. Attention asks the context for keys/values and the mask; it never owns
 a cache. The inference engine adds a paged context with the same methods.
+
+The mask contract: `attention_mask(window_size)` is a boolean (batch or 1, 1, queries, keys) tensor,
+True where a query may attend a key: causal, same document when packed, and with a window W a query
+at index i sees keys j with i - W < j <= i (itself and the W-1 before it). `sdpa_mask(window_size)`
+gives the same as keyword arguments for `scaled_dot_product_attention` (just `is_causal` when it can).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ class PackedContext:
     positions: torch.Tensor
     document_ids: Optional[torch.Tensor] = None
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin), filled by the model
-    _mask: Optional[torch.Tensor] = field(default=None, repr=False)
+    _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)  # by window size
 
     @classmethod
     def for_tokens(cls, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
@@ -37,16 +42,23 @@ class PackedContext:
     def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
-    def sdpa_mask(self) -> dict[str, Any]:
+    def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
+        """Boolean (batch or 1, 1, seq, seq): causal, same document if packed, within the window if given."""
+        if window_size not in self._masks:
+            seq = self.positions.shape[1]
+            idx = torch.arange(seq, device=self.positions.device)
+            mask = causal_window_mask(idx, idx, window_size)[None, None]
+            if self.document_ids is not None:
+                same_doc = self.document_ids[:, :, None] == self.document_ids[:, None, :]
+                mask = mask & same_doc[:, None]  # (batch, 1, seq, seq)
+            self._masks[window_size] = mask
+        return self._masks[window_size]
+
+    def sdpa_mask(self, window_size: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments for `scaled_dot_product_attention`: causal, plus same-document if packed."""
-        if self.document_ids is None:
+        if self.document_ids is None and window_size is None:
             return {"is_causal": True}
-        if self._mask is None:
-            seq = self.document_ids.shape[1]
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=self.document_ids.device).tril()
-            same_doc = self.document_ids[:, :, None] == self.document_ids[:, None, :]
-            self._mask = (causal & same_doc)[:, None]  # (batch, 1, seq, seq)
-        return {"attn_mask": self._mask}
+        return {"attn_mask": self.attention_mask(window_size)}
 
 
 @dataclass
@@ -77,23 +89,39 @@ class KVCacheContext:
     def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (batch, kv_heads, new, head_dim) -> all keys/values so far."""
         if layer_id not in self.cache:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self.cache[layer_id] = (k.new_zeros(shape), v.new_zeros(shape))
+            # keys and values may differ in width (multi-latent attention): each gets its own shape
+            self.cache[layer_id] = tuple(t.new_zeros(t.shape[0], t.shape[1], self.max_len, t.shape[3]) for t in (k, v))
         k_cache, v_cache = self.cache[layer_id]
         end = self.offset + k.shape[2]
         k_cache[:, :, self.offset:end] = k
         v_cache[:, :, self.offset:end] = v
         return k_cache[:, :, :end], v_cache[:, :, :end]
 
-    def sdpa_mask(self) -> dict[str, Any]:
+    def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
+        """Boolean (1, 1, new, offset + new): the new tokens against everything cached so far."""
+        device = self.positions.device
+        q_idx = torch.arange(self.offset, self.offset + self._num_new, device=device)
+        k_idx = torch.arange(self.offset + self._num_new, device=device)
+        return causal_window_mask(q_idx, k_idx, window_size)[None, None]
+
+    def sdpa_mask(self, window_size: Optional[int] = None) -> dict[str, Any]:
+        if window_size is not None and self.offset + self._num_new > window_size:
+            return {"attn_mask": self.attention_mask(window_size)}
         n = self._num_new
         if n == 1:
             return {}
         if self.offset == 0:
             return {"is_causal": True}
-        q_pos = torch.arange(self.offset, self.offset + n)[:, None]
-        k_pos = torch.arange(self.offset + n)[None, :]
-        return {"attn_mask": (k_pos <= q_pos).to(self.positions.device)}
+        return {"attn_mask": self.attention_mask()}
 
     def advance(self) -> None:
         self.offset += self._num_new
+
+
+def causal_window_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, window_size: Optional[int]) -> torch.Tensor:
+    """(queries, keys) boolean: key index <= query index, and within `window_size` of it when given."""
+    diff = q_idx[:, None] - k_idx[None, :]
+    mask = diff >= 0
+    if window_size is not None:
+        mask = mask & (diff < window_size)
+    return mask

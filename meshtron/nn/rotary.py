@@ -1,23 +1,46 @@
-"""Rotary position embedding (RoPE), rotate-half layout: the head dim is split into two halves
-that form the real and imaginary parts; position p rotates pair i by p * theta^(-2i/d)."""
+"""Rotary position embedding (RoPE).
+
+Position p rotates the i-th pair of a head's first `rotary_dim` dimensions by the angle
+p * inv_freq[i] (inv_freq[i] = theta^(-2i/rotary_dim) unless a scaling rule changed it):
+    (x_a, x_b) -> (x_a cos - x_b sin, x_b cos + x_a sin).
+Two layouts pair the dimensions differently: rotate-half pairs i with i + rotary_dim/2 (Llama,
+GPT-NeoX); interleaved pairs 2i with 2i+1 (the original RoFormer/DeepSeek layout). Dimensions past
+`rotary_dim` (partial rotary) pass through unchanged. cos/sin may carry a constant factor (YaRN's
+attention scaling), which multiplies the rotated part.
+"""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
 
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """theta^(-2i/d) for i < d/2, in float64."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, *, inv_freq: Optional[torch.Tensor] = None,
+                 attention_factor: float = 1.0):
+        """`head_dim` is the number of rotated dimensions; `inv_freq` overrides the default frequencies."""
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.rotary_dim = head_dim
+        if inv_freq is None:
+            inv_freq = default_inv_freq(head_dim, base)
+        assert inv_freq.shape == (head_dim // 2,)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_factor = attention_factor
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (batch, seq) -> cos, sin each (batch, seq, head_dim), fp32."""
-        angles = positions.float()[..., None] * self.inv_freq  # (batch, seq, head_dim/2)
+        """positions (batch, seq) -> cos, sin each (batch, seq, rotary_dim), fp32, both halves repeated."""
+        angles = positions.float()[..., None] * self.inv_freq  # (batch, seq, rotary_dim/2)
         angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+        if self.attention_factor == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,7 +48,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (batch, seq, heads, head_dim); cos/sin (batch, seq, head_dim)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x (batch, seq, heads, head_dim); cos/sin (batch, seq, rotary_dim) with rotary_dim <= head_dim."""
+    rot = cos.shape[-1]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+    xf = x.float()
+    x_rot, x_pass = xf[..., :rot], xf[..., rot:]
+    if interleaved:
+        # The halves of cos/sin are equal; pair (2i, 2i+1) uses angle i, and the layout stays interleaved.
+        c, s = cos[..., : rot // 2], sin[..., : rot // 2]
+        even, odd = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1).flatten(-2)
+    else:
+        rotated = x_rot * cos + rotate_half(x_rot) * sin
+    if x_pass.shape[-1] == 0:
+        return rotated.to(x.dtype)
+    return torch.cat([rotated, x_pass], dim=-1).to(x.dtype)

@@ -1,0 +1,115 @@
+"""Closed forms of a `GPTModel`: its parameter count and its training FLOPs per token.
+
+Both are sums over the pattern of per-sublayer terms, written from the layer definitions (not by
+walking a built model) so the tests can hold them against an actual model for every option.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshtron.config.schema import ModelConfig
+from meshtron.nn.mlp import is_gated
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> int:
+    return dim if cfg.normalization == "RMSNorm" else 2 * dim
+
+
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one attention mixer's projections (no biases, norms or sinks)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.multi_latent_attention:
+        q_dim = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+        q = d * h * q_dim if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank * h * q_dim
+        kv = d * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_head_dim + cfg.v_head_dim)
+        return q + kv + h * cfg.v_head_dim * d
+    hd, g = cfg.head_dim, cfg.num_kv_heads
+    return d * h * hd + 2 * d * g * hd + h * hd * d
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """All parameters of one attention mixer."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    total = attention_matmul_params(cfg)
+    if cfg.multi_latent_attention:
+        if cfg.q_lora_rank is not None:
+            total += _norm(cfg, cfg.q_lora_rank) + (cfg.q_lora_rank if cfg.add_qkv_bias else 0)
+        total += _norm(cfg, cfg.kv_lora_rank)
+        if cfg.add_qkv_bias:
+            total += cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+    else:
+        if cfg.add_qkv_bias:
+            total += (h + 2 * cfg.num_kv_heads) * cfg.head_dim
+        if cfg.qk_layernorm:
+            total += 2 * _norm(cfg, cfg.head_dim)
+    if cfg.add_bias_linear:
+        total += d
+    if cfg.softmax_type == "learnable":
+        total += h
+    return total
+
+
+def mlp_matmul_params(cfg: ModelConfig) -> int:
+    return (3 if is_gated(cfg.activation) else 2) * cfg.hidden_size * cfg.ffn_size
+
+
+def mlp_params(cfg: ModelConfig) -> int:
+    total = mlp_matmul_params(cfg)
+    if cfg.add_bias_linear:
+        total += (2 if is_gated(cfg.activation) else 1) * cfg.ffn_size + cfg.hidden_size
+    return total
+
+
+def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
+    """Closed-form parameter count of `GPTModel(cfg, vocab_size)` (vocab already padded or not)."""
+    v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
+    d = cfg.hidden_size
+    norm = _norm(cfg, d)
+    attn, mlp = attention_params(cfg), mlp_params(cfg)
+    total = v * d + norm  # embedding + final norm
+    if cfg.position_embedding_type == "learned_absolute":
+        total += cfg.max_position_embeddings * d
+    if not cfg.tie_word_embeddings:
+        total += v * d
+    for s in cfg.pattern:
+        total += norm + (attn if s == "*" else mlp)
+    # each MTP depth: two input norms, the 2d -> d projection, an attention and an MLP sublayer, a final norm
+    total += cfg.mtp_num_layers * (2 * norm + 2 * d * d + (norm + attn) + (norm + mlp) + norm)
+    return total
+
+
+def _attention_score_flops(cfg: ModelConfig, seq_length: int, window: bool) -> float:
+    """Training FLOPs per token of q k^T and p v in one attention layer (no causal halving)."""
+    keys = min(seq_length, cfg.window_size) if window and cfg.window_size is not None else seq_length
+    h = cfg.num_attention_heads
+    if cfg.multi_latent_attention:
+        return 6.0 * keys * h * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim)
+    return 12.0 * keys * h * cfg.head_dim
+
+
+def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style accounting.
+
+    forward = 2 * P_matmul + sum over attention sublayers of 2 * keys * heads * (qk_dim + v_dim)
+    where P_matmul counts every weight used in a matmul (sublayer projections and the output head,
+    not the embedding lookup), and keys is the sequence length (the window for windowed layers;
+    no halving for causality). With head_dim for both qk and v this is the familiar
+    training = 6 * P_matmul + 12 * n_attn * seq * heads * head_dim. MTP depths add their projection,
+    sublayers and one more pass through the output head.
+    """
+    v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
+    d = cfg.hidden_size
+    attn_w, mlp_w = attention_matmul_params(cfg), mlp_matmul_params(cfg)
+    matmul_params = v * d + sum(attn_w if s == "*" else mlp_w for s in cfg.pattern)
+    matmul_params += cfg.mtp_num_layers * (2 * d * d + attn_w + mlp_w + v * d)
+    flops = 6.0 * matmul_params
+    for i in range(cfg.pattern.count("*")):
+        flops += _attention_score_flops(cfg, seq_length, cfg.is_window_layer(i))
+    every_window = cfg.window_size is not None and all(cfg.is_window_layer(i) for i in range(cfg.pattern.count("*")))
+    flops += cfg.mtp_num_layers * _attention_score_flops(cfg, seq_length, every_window)
+    return flops

@@ -1,0 +1,69 @@
+"""Residual sublayers: x = x + dropout(f(norm(x), ctx)) for one symbol of the layer pattern, and the
+builder that turns a `ModelConfig` into the mixer f ('*' attention: GQA or multi-latent; '-' MLP).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from meshtron.config.schema import ModelConfig
+from meshtron.nn.attention import Attention
+from meshtron.nn.mla import MultiLatentAttention
+from meshtron.nn.mlp import MLP
+from meshtron.nn.norm import build_norm
+from meshtron.nn.rope_scaling import attention_softmax_scale
+
+
+def build_attention(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+    """`layer_id` keys the KV cache; `window_size` is this layer's window (None: full attention)."""
+    common = dict(layer_id=layer_id, qkv_bias=cfg.add_qkv_bias, out_bias=cfg.add_bias_linear,
+                  dropout=cfg.attention_dropout, softmax_type=cfg.softmax_type, window_size=window_size,
+                  rotary_interleaved=cfg.rotary_interleaved, norm_eps=cfg.norm_epsilon)
+    if cfg.multi_latent_attention:
+        scale = attention_softmax_scale(cfg, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
+        return MultiLatentAttention(
+            cfg.hidden_size, cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+            norm=cfg.normalization, softmax_scale=scale, **common)
+    return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim,
+                     qk_norm=cfg.normalization if cfg.qk_layernorm else None,
+                     softmax_scale=attention_softmax_scale(cfg, cfg.head_dim), **common)
+
+
+def build_mlp(cfg: ModelConfig) -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.ffn_size, cfg.activation, bias=cfg.add_bias_linear,
+               clamp_value=cfg.activation_func_clamp_value, linear_offset=cfg.glu_linear_offset)
+
+
+class Sublayer(nn.Module):
+    """Pre-norm residual wrapper around one mixer ('*' attention or '-' MLP)."""
+
+    def __init__(self, symbol: str, cfg: ModelConfig, layer_id: int, window_size: Optional[int] = None):
+        super().__init__()
+        self.symbol = symbol
+        self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        if symbol == "*":
+            self.mixer: nn.Module = build_attention(cfg, layer_id, window_size)
+        elif symbol == "-":
+            self.mixer = build_mlp(cfg)
+        else:
+            raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}")
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        return x + self.dropout(self.mixer(self.norm(x), ctx))
+
+
+def build_sublayers(cfg: ModelConfig) -> nn.ModuleList:
+    """One sublayer per pattern symbol; attention sublayers get their window from window_attn_skip_freq."""
+    layers, attention_index = [], 0
+    for layer_id, symbol in enumerate(cfg.pattern):
+        window = None
+        if symbol == "*":
+            window = cfg.window_size if cfg.is_window_layer(attention_index) else None
+            attention_index += 1
+        layers.append(Sublayer(symbol, cfg, layer_id, window))
+    return nn.ModuleList(layers)
