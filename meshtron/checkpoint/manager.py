@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map
@@ -105,14 +106,32 @@ def model_optimizer_state(model: torch.nn.Module, optimizer: Optional[torch.opti
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-class CheckpointManager:
-    """Saves checkpoints under `save_dir`, keeping the newest `keep_last` (0 keeps all)."""
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
-    def __init__(self, save_dir: str | Path, keep_last: int = 3, async_save: bool = False):
+
+class CheckpointManager:
+    """Saves checkpoints under `save_dir`, keeping the newest `keep_last` (0 keeps all).
+
+    With several processes every rank writes its shards through DCP and rank 0 alone does the
+    directory work (temporary dir, manifest, rename, `latest`), between barriers. Saves use their own
+    gloo group so an asynchronous save never interleaves its collectives with training's.
+    """
+
+    def __init__(self, save_dir: str | Path, keep_last: int = 3, async_save: bool = False, timeout_s: float = 600.0):
         self.save_dir = Path(save_dir)
         self.keep_last, self.async_save = keep_last, async_save
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from datetime import timedelta
+
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
              trainer_state: dict[str, Any], config_yaml: str,
@@ -150,26 +169,31 @@ class CheckpointManager:
 
     def _write(self, step: int, state: dict[str, Any], trainer_state: dict[str, Any], config_yaml: str,
                before_finalize: Optional[Callable[[Path], None]]) -> None:
-        self.save_dir.mkdir(parents=True, exist_ok=True)
         final = self.save_dir / step_dir_name(step)
         tmp = self.save_dir / f".tmp-{final.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if _is_writer():
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=str(tmp))
-        torch.save(trainer_state, tmp / TRAINER_STATE)
-        (tmp / "config.yaml").write_text(config_yaml)
-        _write_manifest(tmp, step)
-        if before_finalize is not None:
-            before_finalize(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(self.save_dir)
-        latest_tmp = self.save_dir / "latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, self.save_dir / "latest")
-        self._prune()
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+        self._barrier()
+        if _is_writer():
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+            (tmp / "config.yaml").write_text(config_yaml)
+            _write_manifest(tmp, step)
+            if before_finalize is not None:
+                before_finalize(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.save_dir)
+            latest_tmp = self.save_dir / "latest.tmp"
+            latest_tmp.write_text(final.name + "\n")
+            os.replace(latest_tmp, self.save_dir / "latest")
+            self._prune()
+        self._barrier()
 
     def _prune(self) -> None:
         if self.keep_last <= 0:

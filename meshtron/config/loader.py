@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def _parse_scalar(text: str) -> Any:
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None,
-                world_size: int = 1) -> RunConfig:
+                world_size: int | None = None) -> RunConfig:
     """Defaults, then the YAML file at `path`, then `overrides` ({'section.field': 'text'}); validated."""
     cfg = RunConfig()
     if path is not None:
@@ -67,7 +68,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
             raise ConfigError(f"--{key}: overrides are --section.field value, e.g. --train.train_iters 100")
         section, name = key.split(".", 1)
         _assign(cfg, section, name, _parse_scalar(text))
-    cfg.validate(world_size=world_size)
+    cfg.validate(world_size=world_size or int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
 
 

@@ -28,17 +28,20 @@ def _fmt(key: str, value: Any) -> str:
 
 class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, total_steps: int, config_dict: Optional[dict] = None,
-                 initial_step: int = 0):
+                 initial_step: int = 0, enabled: bool = True):
+        """`enabled=False` (ranks other than 0) makes every method a no-op."""
+        self.enabled = enabled
+        self._bar = self._tb = self._wandb = self._jsonl = None
+        if not enabled:
+            return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         use_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stderr.isatty())
-        self._bar = None
         if use_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
-        self._tb = self._wandb = None
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -55,12 +58,16 @@ class MetricsLogger:
 
     def message(self, text: str) -> None:
         """A human-readable line that does not break the progress bar."""
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.write(text)
         else:
             print(text, flush=True)
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train", echo: bool = True) -> None:
+        if not self.enabled:
+            return
         record = {"kind": kind, "step": step, "time": time.time(), **metrics}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -86,4 +93,5 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

@@ -16,9 +16,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 
 from meshtron.checkpoint import CheckpointManager, load_checkpoint
+from meshtron.config.fields import ConfigError
 from meshtron.config.loader import config_to_dict, save_config
 from meshtron.config.schema import RunConfig
 from meshtron.data.build import build_datasets
@@ -27,6 +29,11 @@ from meshtron.data.tokenizer import build_tokenizer
 from meshtron.models.gpt import GPTModel, count_parameters, flops_per_token
 from meshtron.nn.context import PackedContext
 from meshtron.nn.loss import masked_cross_entropy
+from meshtron.parallel import parallelize_parts
+from meshtron.parallel.clip import clip_grad_norm_
+from meshtron.parallel.dims import ParallelDims
+from meshtron.parallel.distributed import all_reduce_sum, init_distributed
+from meshtron.parallel.parts import ModelParts
 from meshtron.training.flops import measure_matmul_flops
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
@@ -79,22 +86,19 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, echo: bool = True):
-        self.cfg, self.timers = cfg, Timers()
+        self.cfg, self.timers, self.echo = cfg, Timers(), echo
         t = cfg.train
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
         self.device = resolve_device(t.device)
         self.run_dir = Path(t.run_dir)
+        with self.timers.startup_phase("distributed"):
+            self._setup_distributed()
         seed_everything(t.seed)
         with self.timers.startup_phase("data"):
-            self.tokenizer = build_tokenizer(cfg.tokenizer)
-            self.train_ds, self.valid_ds, _ = build_datasets(cfg, self.tokenizer)
-            self.loader = BatchLoader(self.train_ds, micro_batch_size=t.micro_batch_size,
-                                      global_batch_size=t.global_batch_size, seed=cfg.data.seed)
+            self._build_data()
         with self.timers.startup_phase("model"):
-            self.model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
-            self.optimizer = build_optimizer(self.model, cfg.optimizer)
-            self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, t.train_iters)
+            self._build_model()
         self.num_params = count_parameters(cfg.model, self.tokenizer.vocab_size)
         self.flops_per_token = flops_per_token(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_length)
         self.step = 0
@@ -102,14 +106,62 @@ class Trainer:
         self.num_skipped = 0
         self.history: list[StepResult] = []
         self.checkpoints = CheckpointManager(cfg.checkpoint.save or self.run_dir / "checkpoints",
-                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                             timeout_s=cfg.parallel.timeout_s)
         if cfg.checkpoint.load:
             with self.timers.startup_phase("checkpoint_load"):
                 self.load(cfg.checkpoint.load)
         with self.timers.startup_phase("peak_flops"):
             self.peak_flops = t.peak_flops or measure_matmul_flops(
                 self.device, torch.bfloat16 if (t.precision == "bf16" and self.device.type == "cuda") else torch.float32)
-        self.echo = echo
+
+    def _setup_distributed(self) -> None:
+        p = self.cfg.parallel
+        world_size = init_distributed(self.device, p.timeout_s)
+        self.dims = ParallelDims.from_config(p, world_size)
+        self.mesh = self.dims.build_mesh(self.device.type, p.timeout_s) if world_size > 1 else None
+        self.rank = dist.get_rank() if world_size > 1 else 0
+
+    def group(self, axis: str):
+        """The process group of a mesh axis (None in a single process)."""
+        return None if self.mesh is None else self.mesh[axis].get_group()
+
+    def _build_data(self) -> None:
+        t, dims = self.cfg.train, self.dims
+        if t.global_batch_size % (t.micro_batch_size * dims.dp):
+            raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not allowed; must be a multiple of "
+                              f"micro_batch_size * data-parallel size = {t.micro_batch_size} * {dims.dp}")
+        self.tokenizer = build_tokenizer(self.cfg.tokenizer)
+        self.train_ds, self.valid_ds, _ = build_datasets(self.cfg, self.tokenizer)
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.loader = BatchLoader(self.train_ds, micro_batch_size=t.micro_batch_size,
+                                  global_batch_size=t.global_batch_size, seed=self.cfg.data.seed,
+                                  dp_rank=dp_rank, dp_size=dims.dp)
+
+    def _build_model(self) -> None:
+        """Every rank builds the full model from the same seed (identical weights), then keeps and
+        shards its part: pipeline stages, then TP / recompute / compile / FSDP."""
+        cfg = self.cfg
+        model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        self.vocab_size = model.vocab_size
+        self.pipeline = None
+        if self.dims.pp > 1:
+            from meshtron.parallel.pipeline import build_pipeline
+
+            self.pipeline = build_pipeline(model, self.mesh, self.dims, cfg, self.device)
+            parts = self.pipeline.parts
+        else:
+            parts = [model]
+        parallelize_parts(parts, self.dims, self.mesh, cfg)
+        self.model_parts = parts
+        self.model = parts[0] if self.pipeline is None else ModelParts(parts)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, cfg.train.train_iters)
+        self.context_parallel = None
+        if self.dims.cp > 1:
+            from meshtron.parallel.context_parallel import ContextParallel
+
+            self.context_parallel = ContextParallel(self.mesh["cp"], load_balance=cfg.parallel.cp_load_balance)
 
     # ---- one optimizer step -------------------------------------------------------------------
 
@@ -118,32 +170,67 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss_context(self):
+        """Vocabulary-parallel cross-entropy needs its forward and backward inside `loss_parallel`."""
+        if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
+            from meshtron.parallel.loss import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def _local_micro_batch(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Move to the device and, under context parallelism, keep this rank's part of the sequence."""
         mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-        ctx = PackedContext.for_tokens(mb["input_ids"], mb.get("document_ids"), mb.get("position_ids"))
+        if self.context_parallel is not None:
+            mb = self.context_parallel.shard_batch(mb)
+        return mb
+
+    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token losses, number of loss tokens) of one local micro-batch."""
+        if self.context_parallel is not None:
+            ctx = self.context_parallel.context(mb)
+        else:
+            ctx = PackedContext.for_tokens(mb["input_ids"], mb.get("document_ids"), mb.get("position_ids"))
         with self._autocast():
             logits = self.model(mb["input_ids"], ctx)
+        if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
+            from meshtron.parallel.loss import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(logits, mb["labels"], mb["loss_mask"])
         return masked_cross_entropy(logits, mb["labels"], mb["loss_mask"])
+
+    def _global_sum(self, value: float) -> float:
+        """Sum a per-rank number over the ranks that hold different tokens (dp x cp)."""
+        if self.mesh is None:
+            return value
+        return float(all_reduce_sum(torch.tensor(value, dtype=torch.float64), self.group("dp_cp")))
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """Accumulate gradients over the micro-batches, clip, and step unless anything is non-finite."""
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         lr = self.schedule(self.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
-        loss_sum = 0.0
+        micro_batches = [self._local_micro_batch(mb) for mb in micro_batches]
+        total_tokens = self._global_sum(sum(float(mb["loss_mask"].sum()) for mb in micro_batches))
+        inject = (self.step + 1) in self.cfg.train.debug_nonfinite_steps
         with self.timers.phase("forward_backward"):
-            for i, mb in enumerate(micro_batches):
-                loss, _ = self._forward_loss(mb)
-                if i == 0 and (self.step + 1) in self.cfg.train.debug_nonfinite_steps:
-                    loss = loss * float("nan")
-                (loss / max(total_tokens, 1.0)).backward()
-                loss_sum += loss.item()
+            if self.pipeline is not None:
+                loss_sum = self.pipeline.train_step(micro_batches, total_tokens, inject_nan=inject)
+            else:
+                loss_sum = 0.0
+                for i, mb in enumerate(micro_batches):
+                    with self._loss_context():
+                        loss, _ = self._forward_loss(mb)
+                        if i == 0 and inject:
+                            loss = loss * float("nan")
+                        (loss / max(total_tokens, 1.0)).backward()
+                    loss_sum += loss.item()
+            mean_loss = self._global_sum(loss_sum) / max(total_tokens, 1.0)
         with self.timers.phase("optimizer"):
             clip = self.cfg.optimizer.clip_grad if self.cfg.optimizer.clip_grad > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-            mean_loss = loss_sum / max(total_tokens, 1.0)
+            grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"))
             skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
             if not skipped:
                 self.optimizer.step()
@@ -169,15 +256,26 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
+        """Loss and perplexity on the first eval_iters validation micro-batches (the same every time)."""
         batches = fixed_batches(self.valid_ds, self.cfg.train.micro_batch_size, self.cfg.train.eval_iters)
         if not batches:
             return None
-        self.model.eval()
-        loss_sum = tokens = 0.0
-        for mb in batches:
-            loss, n = self._forward_loss(mb)
-            loss_sum += loss.item()
-            tokens += float(n)
+        for part in self.model_parts:
+            part.eval()
+        batches = [self._local_micro_batch(mb) for mb in batches]
+        if self.pipeline is not None:
+            loss_sum, tokens = self.pipeline.eval_step(batches)
+        else:
+            loss_sum = tokens = 0.0
+            for mb in batches:
+                with self._loss_context():
+                    loss, n = self._forward_loss(mb)
+                loss_sum += loss.item()
+                tokens += float(n)
+        # every data-parallel rank evaluated the same batches: sum over cp only
+        if self.mesh is not None and self.dims.cp > 1:
+            pair = all_reduce_sum(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.group("cp"))
+            loss_sum, tokens = float(pair[0]), float(pair[1])
         loss = loss_sum / max(tokens, 1.0)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
@@ -204,8 +302,10 @@ class Trainer:
 
     def train(self) -> list[StepResult]:
         cfg, t = self.cfg, self.cfg.train
-        save_config(cfg, self.run_dir / "config.yaml")
-        logger = MetricsLogger(cfg.logger, self.run_dir, t.train_iters, config_to_dict(cfg), initial_step=self.step)
+        if self.rank == 0:
+            save_config(cfg, self.run_dir / "config.yaml")
+        logger = MetricsLogger(cfg.logger, self.run_dir, t.train_iters, config_to_dict(cfg), initial_step=self.step,
+                               enabled=self.rank == 0)
         try:
             self._announce(logger)
             self._loop(logger)
@@ -219,7 +319,7 @@ class Trainer:
     def _announce(self, logger: MetricsLogger) -> None:
         cfg = self.cfg
         logger.message(f"model: {self.num_params / 1e6:.2f}M parameters, pattern '{cfg.model.pattern}', "
-                       f"vocab {self.model.vocab_size}, device {self.device.type}, {cfg.train.precision}")
+                       f"vocab {self.vocab_size}, device {self.device.type}, {cfg.train.precision}")
         logger.message(f"data: {len(self.train_ds)} train / {len(self.valid_ds)} valid samples of "
                        f"{cfg.data.seq_length} tokens; global batch {cfg.train.global_batch_size} "
                        f"({self.loader.num_micro_batches} micro-batches of {cfg.train.micro_batch_size})")

@@ -69,8 +69,8 @@ def test_process_killed_mid_save_keeps_previous(tmp_path):
         manager = CheckpointManager({str(tmp_path)!r})
         manager.save(1, model, opt, {{"step": 1}}, "")
         real_save = dcp.save
-        def dying_save(state, checkpoint_id):
-            real_save(state, checkpoint_id=checkpoint_id)
+        def dying_save(state, checkpoint_id, **kw):
+            real_save(state, checkpoint_id=checkpoint_id, **kw)
             with open(os.path.join(checkpoint_id, "__0_0.distcp"), "r+b") as f:
                 f.truncate(10)  # a half-written shard
             os._exit(9)

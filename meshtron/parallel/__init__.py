@@ -1,0 +1,40 @@
+"""Parallelism applied from outside the model, in a fixed order: split pipeline stages, then
+tensor/sequence parallel, activation checkpointing, torch.compile, then FSDP (STYLE 3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshtron.config.fields import ConfigError
+from meshtron.config.schema import RunConfig
+from meshtron.parallel.activation_checkpoint import apply_activation_checkpoint
+from meshtron.parallel.compile import apply_compile
+from meshtron.parallel.dims import ParallelDims
+from meshtron.parallel.fsdp import apply_fsdp
+from meshtron.parallel.tensor_parallel import apply_tp
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """1-D over dp_shard x cp, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
+    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+
+
+def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh | None, cfg: RunConfig) -> None:
+    """Apply TP, activation checkpointing, compile and FSDP to each model part, in that order."""
+    p = cfg.parallel
+    if p.compile and dims.tp > 1:
+        raise ConfigError("parallel.compile: compiling tensor-parallel (DTensor) sublayers is not supported on this "
+                          "PyTorch build; set parallel.compile false or parallel.tp 1")
+    for part in parts:
+        if dims.tp > 1:
+            apply_tp(part, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        if p.activation_checkpoint != "none":
+            apply_activation_checkpoint(part, p.activation_checkpoint)
+        if p.compile:
+            apply_compile(part)
+        if dims.fsdp_enabled:
+            param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+            apply_fsdp(part, fsdp_mesh(mesh, dims), param_dtype=param_dtype,
+                       reshard_after_forward=p.fsdp_reshard_after_forward)

@@ -1,0 +1,82 @@
+"""Tensor and sequence parallelism as DTensor plans applied per sublayer type (Megatron-style).
+
+Math, with t = tp degree:
+- Attention: Wq, Wk, Wv are column-parallel (each rank owns heads/t query heads and kv_heads/t
+  key/value heads; no communication in forward); Wo is row-parallel (partial sums are all-reduced,
+  or reduce-scattered along the sequence under SP). Backward mirrors it (all-reduce of the input
+  gradient of the column-parallel layers, or all-gather/reduce-scatter under SP).
+- MLP: W_gate, W_up column-parallel; W_down row-parallel (same collectives as attention).
+- Embedding: vocab-parallel (rows split; masked lookup, then all-reduce or reduce-scatter).
+- Output head: column-parallel over the vocabulary; with loss_parallel the logits stay sharded
+  and the cross-entropy reduces max/sum-exp across ranks (no full-vocabulary gather).
+- Sequence parallel: activations outside attention/MLP (norms, dropout, residual adds) are split
+  along the sequence; each attention/MLP input is all-gathered and each output reduce-scattered.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshtron.config.fields import ConfigError
+
+
+def check_tp_divisibility(model: nn.Module, tp: int) -> None:
+    cfg = model.cfg
+    if cfg.num_attention_heads % tp or cfg.num_kv_heads % tp:
+        raise ConfigError(f"parallel.tp: {tp} must divide model.num_attention_heads={cfg.num_attention_heads} "
+                          f"and the key/value heads ({cfg.num_kv_heads}); change one of them")
+    if cfg.ffn_size % tp:
+        raise ConfigError(f"parallel.tp: {tp} must divide the MLP width {cfg.ffn_size} (model.ffn_hidden_size)")
+    if model.vocab_size % tp:
+        raise ConfigError(f"parallel.tp: {tp} must divide the padded vocabulary {model.vocab_size}; "
+                          "set model.make_vocab_size_divisible_by to a multiple of tp")
+    if cfg.tie_word_embeddings:
+        raise ConfigError("parallel.tp: tied embeddings are not supported with tensor parallelism yet; "
+                          "set model.tie_word_embeddings false or parallel.tp 1")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard `model` (a GPTModel or a pipeline stage of one) over `tp_mesh` in place."""
+    check_tp_divisibility(model, tp_mesh.size())
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, object] = {}
+    if getattr(model, "embedding", None) is not None:
+        top["embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "position_embedding", None) is not None:
+        top["position_embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "final_norm", None) is not None and sequence_parallel:
+        top["final_norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                        use_local_output=not loss_parallel)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for layer in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
+        parallelize_module(layer, tp_mesh, _sublayer_plan(layer, sequence_parallel))
+
+
+def _sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {}
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+        plan["mixer"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    if layer.symbol == "*":
+        plan.update({"mixer.wq": ColwiseParallel(), "mixer.wk": ColwiseParallel(), "mixer.wv": ColwiseParallel(),
+                     "mixer.wo": RowwiseParallel(output_layouts=seq)})
+    elif layer.symbol == "-":
+        if layer.mixer.w_gate is not None:
+            plan["mixer.w_gate"] = ColwiseParallel()
+        plan.update({"mixer.w_up": ColwiseParallel(), "mixer.w_down": RowwiseParallel(output_layouts=seq)})
+    else:
+        raise ConfigError(f"parallel.tp: sublayer '{layer.symbol}' has no tensor-parallel plan")
+    return plan

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: starting gloo ranks quickly and safely."""
