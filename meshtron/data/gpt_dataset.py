@@ -23,6 +23,7 @@ from meshtron.data.samples import make_sample
 
 INDEX_VERSION = 1
 SEPARATE_LAST_EPOCH_BELOW = 0.8   # fraction of an epoch under which the last epoch is shuffled apart
+MAX_DOCUMENT_INDEX = 1 << 31      # entries of the document index (epochs x documents): 16 GiB of int64
 
 
 def split_document_ranges(num_docs: int, weights: list[float]) -> list[tuple[int, int]]:
@@ -84,6 +85,9 @@ class GPTDataset:
         start, end = doc_range
         self.tokens_per_epoch = int(indexed.offsets[end] - indexed.offsets[start])
         self.num_epochs = num_epochs_for(self.tokens_per_epoch, seq_length, num_samples)
+        if self.num_epochs * (end - start) > MAX_DOCUMENT_INDEX:
+            raise ValueError(f"data.paths: {indexed.prefix} ({name}: {self.tokens_per_epoch} tokens) would be repeated "
+                             f"{self.num_epochs} times for {num_samples} samples; add data or train for fewer steps")
         self.description = {
             "class": "GPTDataset", "version": INDEX_VERSION, "name": name, "prefix": Path(indexed.prefix).name,
             "num_docs": indexed.num_docs, "num_tokens": indexed.num_tokens, "crc": indexed.crc,
