@@ -199,19 +199,39 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = option(1, "Data-parallel replicas (HSDP outer axis)")
+    dp_replicate: int = option(1, "Data-parallel replicas (HSDP outer axis; gradients all-reduced across them)")
     dp_shard: int = option(-1, "FSDP shard degree; -1 takes what the other axes leave of the world size")
-    cp: int = option(1, "Context-parallel degree")
+    cp: int = option(1, "Context-parallel degree (the sequence is split over these ranks)")
     tp: int = option(1, "Tensor-parallel degree")
     pp: int = option(1, "Pipeline-parallel degree")
     ep: int = option(1, "Expert-parallel degree")
+    sequence_parallel: bool = option(True, "With tp > 1: split norms/dropout/residual activations along the sequence")
+    loss_parallel: bool = option(True, "With tp > 1: keep logits vocabulary-sharded through the cross-entropy")
+    fsdp_reshard_after_forward: bool = option(True, "FSDP: free gathered parameters after forward (ZeRO-3); false keeps them (ZeRO-2)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = option(
+        "1f1b", "Pipeline schedule (interleaved and zero_bubble use virtual stages)")
+    pp_virtual_stages: int = option(1, "Model chunks per pipeline rank (interleaved schedules need >= 2)")
+    pp_first_stage_sublayers: Optional[int] = option(None, "Sublayers on the first stage; null splits the pattern evenly")
+    pp_last_stage_sublayers: Optional[int] = option(None, "Sublayers on the last stage; null splits the pattern evenly")
+    cp_load_balance: bool = option(True, "CP: zig-zag sequence sharding so every rank gets equal causal work")
+    activation_checkpoint: Literal["none", "full", "selective"] = option(
+        "none", "Recompute activations in backward: every sublayer (full) or attention sublayers only (selective)")
+    compile: bool = option(False, "torch.compile each sublayer")
     timeout_s: float = option(600.0, "Timeout of every collective and process group, in seconds")
+    straggler_interval: int = option(0, "Every N steps log the slowest and fastest ranks by step time (0: off)")
 
     def validate(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep", "pp_virtual_stages"):
             check(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard, "must be -1 or >= 1")
         check(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
+        check(self.straggler_interval >= 0, "parallel.straggler_interval", self.straggler_interval, "must be >= 0")
+        if self.pp_schedule == "interleaved_1f1b":
+            check(self.pp_virtual_stages >= 2, "parallel.pp_virtual_stages", self.pp_virtual_stages,
+                  "interleaved_1f1b needs >= 2 virtual stages per rank")
+        for name in ("pp_first_stage_sublayers", "pp_last_stage_sublayers"):
+            v = getattr(self, name)
+            check(v is None or v >= 1, f"parallel.{name}", v, "must be >= 1 or null")
 
 
 @dataclass
@@ -427,9 +447,17 @@ class RunConfig:
         check(self.data.seq_length <= m.max_position_embeddings, "data.seq_length", self.data.seq_length,
               f"must be <= model.max_position_embeddings={m.max_position_embeddings}")
         p = self.parallel
-        sizes = (p.dp_replicate, max(p.dp_shard, 1), p.cp, p.tp, p.pp, p.ep)
-        check(world_size == 1 and all(s == 1 for s in sizes), "parallel", f"world size {world_size}",
-              "this version trains in one process: keep every parallel size 1 and run without torchrun")
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        if p.dp_shard != -1 or world_size % others == 0:
+            product = others * (p.dp_shard if p.dp_shard != -1 else world_size // others)
+            check(product == world_size, "parallel", f"product {product}",
+                  f"dp_replicate*dp_shard*cp*tp*pp must equal the world size {world_size} (dp_shard -1 fills in)")
+        else:
+            check(False, "parallel", f"dp_replicate*cp*tp*pp = {others}",
+                  f"must divide the world size {world_size}; change the degrees or the number of processes")
+        if p.cp > 1:
+            check(self.data.seq_length % (2 * p.cp) == 0, "data.seq_length", self.data.seq_length,
+                  f"must be divisible by 2 * parallel.cp = {2 * p.cp} (zig-zag context-parallel chunks)")
 
 
 SECTIONS = tuple(RunConfig.__dataclass_fields__)
