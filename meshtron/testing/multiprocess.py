@@ -30,6 +30,10 @@ class RankFailure(RuntimeError):
     """One or more ranks failed or timed out; the message holds their errors."""
 
 
+class RankError(str):
+    """What a failed rank left instead of a result (its traceback, or why there is none)."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,8 +41,11 @@ def free_port() -> int:
 
 
 def run_ranks(target: str, world_size: int, timeout_s: float = 120.0, env: dict[str, str] | None = None,
-              **kwargs: Any) -> list[Any]:
-    """Run `target` ("module:function") on `world_size` ranks and return their results in rank order."""
+              allow_failures: bool = False, **kwargs: Any) -> list[Any]:
+    """Run `target` ("module:function") on `world_size` ranks and return their results in rank order.
+
+    With allow_failures, a failed rank's entry is a RankError instead of raising RankFailure.
+    """
     with tempfile.TemporaryDirectory(prefix="meshtron-ranks-") as tmp:
         spec = Path(tmp) / "spec.pkl"
         spec.write_bytes(pickle.dumps({"target": target, "world_size": world_size, "kwargs": kwargs,
@@ -49,14 +56,16 @@ def run_ranks(target: str, world_size: int, timeout_s: float = 120.0, env: dict[
         results, errors = [], []
         for rank in range(world_size):
             ok, err = Path(tmp) / f"rank{rank}.pt", Path(tmp) / f"rank{rank}.err"
-            if err.exists():
-                errors.append(f"rank {rank}: {err.read_text()}")
-            elif ok.exists():
+            if ok.exists():
                 import torch
 
                 results.append(torch.load(ok, weights_only=False))
-            else:
-                errors.append(f"rank {rank}: no result (killed or timed out)")
+                continue
+            text = err.read_text() if err.exists() else "no result (the process exited or was killed)"
+            errors.append(f"rank {rank}: {text}")
+            results.append(RankError(text))
+        if allow_failures:
+            return results
         if errors or proc.returncode != 0:
             # the first error in full; the others by their last line (they usually repeat it)
             shown = errors[:1] + [e.strip().splitlines()[0] + " ... " + e.strip().splitlines()[-1] for e in errors[1:]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +27,7 @@ from meshtron.data.build import build_datasets
 from meshtron.data.loader import BatchLoader, fixed_batches
 from meshtron.data.tokenizer import build_tokenizer
 from meshtron.models.gpt import GPTModel, count_parameters, flops_per_token
+from meshtron.models.mtp import combine_losses, forward_for_loss
 from meshtron.nn.context import PackedContext
 from meshtron.nn.loss import masked_cross_entropy
 from meshtron.parallel import parallelize_parts
@@ -34,6 +35,7 @@ from meshtron.parallel.clip import clip_grad_norm_
 from meshtron.parallel.dims import ParallelDims
 from meshtron.parallel.distributed import all_reduce_sum, init_distributed
 from meshtron.parallel.parts import ModelParts
+from meshtron.parallel.watchdog import Watchdog, step_time_extremes
 from meshtron.training.flops import measure_matmul_flops
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
@@ -53,6 +55,7 @@ class StepResult:
     lr: float
     num_tokens: int
     skipped: bool
+    extra: dict[str, float] = field(default_factory=dict)  # separately logged losses, e.g. MTP depths (issue 4)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -105,6 +108,7 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.num_skipped = 0
         self.history: list[StepResult] = []
+        self.watchdog: Optional[Watchdog] = None
         self.checkpoints = CheckpointManager(cfg.checkpoint.save or self.run_dir / "checkpoints",
                                              cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                              timeout_s=cfg.parallel.timeout_s)
@@ -142,7 +146,18 @@ class Trainer:
         """Every rank builds the full model from the same seed (identical weights), then keeps and
         shards its part: pipeline stages, then TP / recompute / compile / FSDP."""
         cfg = self.cfg
-        model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        # --- issue 4: train.init_from_hf takes the architecture and weights from a HF directory -----
+        if cfg.train.init_from_hf:
+            from meshtron.models.hf import init_model_from_hf
+
+            cfg.model, model = init_model_from_hf(cfg.train.init_from_hf, cfg.model, self.tokenizer.vocab_size,
+                                                  self.device, seq_length=cfg.data.seq_length)
+        else:
+            model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        if cfg.model.mtp_num_layers and (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1):
+            raise ConfigError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers} is not allowed with tp, cp or pp > 1 "
+                              "yet (MTP shifts whole sequences through a replicated head); set it to 0")
+        # --------------------------------------------------------------------------------------------
         self.vocab_size = model.vocab_size
         self.pipeline = None
         if self.dims.pp > 1:
@@ -185,19 +200,22 @@ class Trainer:
             mb = self.context_parallel.shard_batch(mb)
         return mb
 
-    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of token losses, number of loss tokens) of one local micro-batch."""
+    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(sum of token losses, number of loss tokens, extra losses to log) of one local micro-batch."""
         if self.context_parallel is not None:
             ctx = self.context_parallel.context(mb)
         else:
             ctx = PackedContext.for_tokens(mb["input_ids"], mb.get("document_ids"), mb.get("position_ids"))
+        # MTP (issue 4): in training, a model with mtp_num_layers > 0 also returns the logits of its
+        # MTP depths; combine_losses adds their scaled losses to the sum and returns each depth's
+        # (sum, count) and the plain LM loss as extras, which train_step logs separately.
         with self._autocast():
-            logits = self.model(mb["input_ids"], ctx)
+            logits, mtp_logits = forward_for_loss(self.model, mb["input_ids"], ctx)
+        cross_entropy = masked_cross_entropy
         if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
-            from meshtron.parallel.loss import vocab_parallel_cross_entropy
-
-            return vocab_parallel_cross_entropy(logits, mb["labels"], mb["loss_mask"])
-        return masked_cross_entropy(logits, mb["labels"], mb["loss_mask"])
+            from meshtron.parallel.loss import vocab_parallel_cross_entropy as cross_entropy
+        return combine_losses(logits, mtp_logits, mb["labels"], mb["loss_mask"], mb.get("document_ids"),
+                              self.cfg.model, cross_entropy)
 
     def _global_sum(self, value: float) -> float:
         """Sum a per-rank number over the ranks that hold different tokens (dp x cp)."""
@@ -220,14 +238,20 @@ class Trainer:
                 loss_sum = self.pipeline.train_step(micro_batches, total_tokens, inject_nan=inject)
             else:
                 loss_sum = 0.0
+                extra_sums: dict[str, list[float]] = {}  # MTP (issue 4): name -> [loss sum, tokens]
                 for i, mb in enumerate(micro_batches):
                     with self._loss_context():
-                        loss, _ = self._forward_loss(mb)
+                        loss, _, extra = self._forward_loss(mb)
                         if i == 0 and inject:
                             loss = loss * float("nan")
                         (loss / max(total_tokens, 1.0)).backward()
                     loss_sum += loss.item()
+                    for name, (value, count) in extra.items():
+                        acc = extra_sums.setdefault(name, [0.0, 0.0])
+                        acc[0], acc[1] = acc[0] + float(value), acc[1] + float(count)
             mean_loss = self._global_sum(loss_sum) / max(total_tokens, 1.0)
+            extra_means = {name: self._global_sum(v) / max(self._global_sum(c), 1.0)
+                           for name, (v, c) in (extra_sums if self.pipeline is None else {}).items()}
         with self.timers.phase("optimizer"):
             clip = self.cfg.optimizer.clip_grad if self.cfg.optimizer.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"))
@@ -236,7 +260,7 @@ class Trainer:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(self.step, mean_loss, grad_norm, lr, int(total_tokens), skipped)
+        return StepResult(self.step, mean_loss, grad_norm, lr, int(total_tokens), skipped, extra_means)
 
     def _account_nonfinite(self, result: StepResult, logger: MetricsLogger) -> None:
         if not result.skipped:
@@ -269,7 +293,7 @@ class Trainer:
             loss_sum = tokens = 0.0
             for mb in batches:
                 with self._loss_context():
-                    loss, n = self._forward_loss(mb)
+                    loss, n, _ = self._forward_loss(mb)
                 loss_sum += loss.item()
                 tokens += float(n)
         # every data-parallel rank evaluated the same batches: sum over cp only
@@ -292,6 +316,8 @@ class Trainer:
 
     def load(self, path: str | Path) -> None:
         state = load_checkpoint(path, self.model, self.optimizer)
+        if state.get("model_only"):  # issue 4: a converted (HF) checkpoint holds weights only; start at step 0
+            return
         self.step = int(state["step"])
         self.loader.load_state_dict(state["data"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
@@ -306,6 +332,7 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         logger = MetricsLogger(cfg.logger, self.run_dir, t.train_iters, config_to_dict(cfg), initial_step=self.step,
                                enabled=self.rank == 0)
+        self.watchdog = Watchdog(self.run_dir, cfg.parallel.timeout_s) if self.mesh is not None else None
         try:
             self._announce(logger)
             self._loop(logger)
@@ -314,7 +341,25 @@ class Trainer:
             self.checkpoints.wait()
         finally:
             logger.close()
+            if self.watchdog is not None:
+                self.watchdog.close()
         return self.history
+
+    def _guarded_step(self, batch: list[dict[str, torch.Tensor]]) -> StepResult:
+        """A step whose collectives, if they fail or time out, end the run on every rank with the
+        lagging ranks named and every rank's stack dumped (see parallel/watchdog.py)."""
+        if self.watchdog is None:
+            return self.train_step(batch)
+        self.watchdog.step_started(self.step + 1)
+        try:
+            return self.train_step(batch)
+        except RuntimeError as e:  # gloo/NCCL report timeouts and peer failures as RuntimeError
+            raise TrainingError(self.watchdog.collective_failed(self.step + 1, e)) from e
+
+    def _report_stragglers(self, logger: MetricsLogger, seconds: float) -> None:
+        (slow, t_slow), (fast, t_fast) = step_time_extremes(seconds)
+        logger.log(self.step, {"slowest_rank": slow, "slowest_s": t_slow, "fastest_rank": fast, "fastest_s": t_fast},
+                   kind="stragglers")
 
     def _announce(self, logger: MetricsLogger) -> None:
         cfg = self.cfg
@@ -335,8 +380,11 @@ class Trainer:
         while self.step < t.train_iters:
             with self.timers.phase("data"):
                 batch = self.loader.next_global_batch()
-            result = self.train_step(batch)
+            result = self._guarded_step(batch)
             phases = self.timers.end_step(self.step - first_step - 1)
+            interval = self.cfg.parallel.straggler_interval
+            if self.mesh is not None and interval and self.step % interval == 0:
+                self._report_stragglers(logger, sum(phases.values()))
             self.history.append(result)
             self._account_nonfinite(result, logger)
             window.append(result)
@@ -368,4 +416,6 @@ class Trainer:
             "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
             "step_ms": 1e3 * seconds / len(window),
             "skipped": self.num_skipped,
+            # separately logged losses (MTP depths, issue 4), averaged like the loss
+            **{k: sum(r.extra[k] for r in good) / len(good) for k in (good[-1].extra if good else {})},
         }
