@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register_data_commands(sub)
+    try:
+        from meshtron.models.hf.commands import register as register_convert_commands
+    except ImportError:
+        pass
+    else:
+        register_convert_commands(sub)
     return parser
 
 

@@ -208,6 +208,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     """Verify, then load model (and optimizer) state in place; return the trainer state."""
     step_dir = resolve_checkpoint(path)
     verify_checkpoint(step_dir)
+    # --- issue 4: model-only checkpoints (converted from Hugging Face) hold weights and no optimizer
+    # state; loading one restores the weights and leaves the optimizer fresh.
+    trainer_state = torch.load(step_dir / TRAINER_STATE, weights_only=False)
+    if trainer_state.get("model_only"):
+        optimizer = None
+    # ----------------------------------------------------------------------------------------------
     state = model_optimizer_state(model, optimizer)
     try:
         with _single_process_quiet():
@@ -221,7 +227,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return torch.load(step_dir / TRAINER_STATE, weights_only=False)
+    return trainer_state
 
 
 def read_checkpoint_config(path: str | Path) -> str:

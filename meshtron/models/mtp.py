@@ -13,6 +13,7 @@ in another packed document are masked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -65,35 +66,31 @@ def mtp_targets(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], documen
     return shift_left(labels, k, 0), mask
 
 
-def mtp_losses(mtp_logits: list[torch.Tensor], labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-               document_ids: Optional[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(loss sum, token count) of every depth."""
-    out = []
-    for k, logits in enumerate(mtp_logits, start=1):
-        targets, mask = mtp_targets(labels, loss_mask, document_ids, k)
-        out.append(masked_cross_entropy(logits, targets, mask))
-    return out
+def forward_for_loss(model: nn.Module, tokens: torch.Tensor, ctx) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(logits, MTP depth logits): the depths run only in training mode of a model that has them."""
+    if model.cfg.mtp_num_layers == 0 or not model.training:
+        return model(tokens, ctx), []
+    return model(tokens, ctx, return_mtp=True)
 
 
-def language_model_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-                        loss_mask: Optional[torch.Tensor], ctx) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The training objective of a GPTModel: (loss sum, loss tokens, extras).
+def combine_losses(logits: torch.Tensor, mtp_logits: list[torch.Tensor], labels: torch.Tensor,
+                   loss_mask: Optional[torch.Tensor], document_ids: Optional[torch.Tensor], cfg: ModelConfig,
+                   cross_entropy: Callable = masked_cross_entropy) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The training objective: (loss sum, loss tokens, extras).
 
-    Without MTP (or in eval mode) this is the masked cross-entropy of the logits. With MTP the sum
-    is L_main + (lambda / D) sum_k L_k (sums over tokens; the caller divides by the main token count)
-    and extras holds {'lm_loss': (sum, count), 'mtp_k_loss': (sum, count), ...} for logging.
+    Without MTP depth logits this is the masked cross-entropy of the logits and no extras. With them
+    the sum is L_main + (lambda / D) sum_k L_k (token sums; the caller divides by the main token
+    count) and extras holds {'lm_loss': (sum, count), 'mtp_k_loss': (sum, count), ...} for logging.
     """
-    cfg = model.cfg
-    if cfg.mtp_num_layers == 0 or not model.training:
-        logits = model(tokens, ctx)
-        loss, count = masked_cross_entropy(logits, labels, loss_mask)
+    loss, count = cross_entropy(logits, labels, loss_mask)
+    if not mtp_logits:
         return loss, count, {}
-    logits, mtp_logits = model(tokens, ctx, return_mtp=True)
-    loss, count = masked_cross_entropy(logits, labels, loss_mask)
     extras = {"lm_loss": (loss.detach(), count)}
     total = loss
-    weight = cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers
-    for k, (depth_loss, depth_count) in enumerate(mtp_losses(mtp_logits, labels, loss_mask, ctx.document_ids), 1):
+    weight = cfg.mtp_loss_scaling_factor / len(mtp_logits)
+    for k, logits_k in enumerate(mtp_logits, start=1):
+        targets, mask = mtp_targets(labels, loss_mask, document_ids, k)
+        depth_loss, depth_count = cross_entropy(logits_k, targets, mask)
         total = total + weight * depth_loss
         extras[f"mtp_{k}_loss"] = (depth_loss.detach(), depth_count)
     return total, count, extras

@@ -1,0 +1,12 @@
+"""Hugging Face interop for dense models: config and tensor adapters per family (Llama, Mistral, Qwen2,
+Qwen3, GPT-2), streaming safetensors <-> meshtron checkpoint conversion, and `train.init_from_hf`.
+
+Only `safetensors` is needed to convert; `transformers` is used by the tests as the reference.
+"""
+
+from meshtron.models.hf.adapter import ConversionError, adapter_by_name, adapter_for_hf, supported_architectures
+from meshtron.models.hf.convert import hf_to_meshtron, meshtron_to_hf
+from meshtron.models.hf.init_weights import hf_model_config, init_model_from_hf, load_hf_weights
+
+__all__ = ["ConversionError", "adapter_by_name", "adapter_for_hf", "hf_model_config", "hf_to_meshtron",
+           "init_model_from_hf", "load_hf_weights", "meshtron_to_hf", "supported_architectures"]

@@ -1,0 +1,141 @@
+"""What a Hugging Face model family adapter is, and the registry that picks one.
+
+An adapter maps one family's `config.json` to a `ModelConfig` and back, and lists how its on-disk
+tensor names relate to meshtron's parameter names. The relation is a list of `TensorMap`s: one HF
+tensor equals the concatenation, along `dim`, of one or more meshtron tensors, optionally stored
+transposed (GPT-2's Conv1D keeps weights as (in, out)). Both directions read the same list, so what
+imports is exactly what exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+
+from meshtron.config.schema import ModelConfig
+
+
+class ConversionError(ValueError):
+    """A model that cannot be converted; the message is one line naming the field, tensor or architecture."""
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    hf: str                       # on-disk safetensors name
+    parts: tuple[str, ...]        # meshtron state-dict names, concatenated along `dim` to form the HF tensor
+    dim: int = 0
+    transpose: bool = False       # the HF tensor is stored transposed (2-D weights only)
+
+    def to_meshtron(self, hf_tensor: torch.Tensor, part_sizes: list[int]) -> list[torch.Tensor]:
+        t = hf_tensor.t() if self.transpose and hf_tensor.dim() == 2 else hf_tensor
+        return list(t.split(part_sizes, dim=self.dim)) if len(self.parts) > 1 else [t]
+
+    def to_hf(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        t = torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0]
+        return t.t() if self.transpose and t.dim() == 2 else t
+
+    def hf_shape(self, part_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        shape = list(part_shapes[0])
+        shape[self.dim] = sum(s[self.dim] for s in part_shapes)
+        return tuple(reversed(shape)) if self.transpose and len(shape) == 2 else tuple(shape)
+
+
+class FamilyAdapter(Protocol):
+    name: str                     # the family as users name it: llama, mistral, qwen2, qwen3, gpt2
+    architecture: str             # config.json "architectures"[0], e.g. LlamaForCausalLM
+
+    def to_model_config(self, hf: dict[str, Any]) -> ModelConfig: ...
+
+    def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]: ...
+
+    def tensor_maps(self, cfg: ModelConfig, hf_keys: Optional[set[str]] = None) -> list[TensorMap]: ...
+
+    def ignored(self, hf_name: str) -> bool: ...
+
+
+# Fields that describe training, not the architecture: `init_from_hf` keeps the user's values.
+TRAINING_FIELDS = ("attention_dropout", "hidden_dropout", "init_method_std", "scaled_init", "mtp_num_layers",
+                   "mtp_loss_scaling_factor")
+
+
+def require(ok: bool, field: str, value: Any, target: str, fix: str) -> None:
+    """Raise a one-line ConversionError when a ModelConfig field cannot be expressed in `target`."""
+    if not ok:
+        raise ConversionError(f"model.{field}={value!r} cannot be written as {target}: {fix}")
+
+
+def hf_require(ok: bool, key: str, value: Any, family: str, fix: str) -> None:
+    """Raise a one-line ConversionError when a config.json key has a value meshtron does not support."""
+    if not ok:
+        raise ConversionError(f"config.json {key}={value!r} is not supported for {family}: {fix}")
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        return archs[0]
+    return str(hf.get("model_type", "<none>"))
+
+
+def adapters() -> dict[str, FamilyAdapter]:
+    from meshtron.models.hf.gpt2 import GPT2Adapter
+    from meshtron.models.hf.llama import LLAMA_LIKE
+
+    table: dict[str, FamilyAdapter] = {a.name: a for a in LLAMA_LIKE}
+    table["gpt2"] = GPT2Adapter()
+    return table
+
+
+def supported_architectures() -> list[str]:
+    return [a.architecture for a in adapters().values()]
+
+
+def adapter_for_hf(hf: dict[str, Any]) -> FamilyAdapter:
+    """The adapter of a config.json, by its architecture (or model_type when architectures is absent)."""
+    arch = architecture_of(hf)
+    for adapter in adapters().values():
+        if arch in (adapter.architecture, adapter.name):
+            return adapter
+    raise ConversionError(f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}")
+
+
+def adapter_by_name(name: str) -> FamilyAdapter:
+    table = adapters()
+    for adapter in table.values():
+        if name in (adapter.name, adapter.architecture):
+            return adapter
+    raise ConversionError(f"architecture {name!r} is not supported; supported: {', '.join(supported_architectures())}")
+
+
+def guess_family(cfg: ModelConfig) -> FamilyAdapter:
+    """The family whose layout matches a meshtron model trained without a Hugging Face origin."""
+    table = adapters()
+    if cfg.normalization == "LayerNorm" or cfg.position_embedding_type == "learned_absolute":
+        return table["gpt2"]
+    if cfg.qk_layernorm:
+        return table["qwen3"]
+    if cfg.add_qkv_bias and not cfg.add_bias_linear:
+        return table["qwen2"]
+    if cfg.window_size is not None:
+        mixed = any(not cfg.is_window_layer(i) for i in range(cfg.pattern.count("*")))
+        return table["qwen3"] if mixed else table["mistral"]
+    return table["llama"]
+
+
+def with_training_fields(hf_cfg: ModelConfig, user_cfg: ModelConfig) -> ModelConfig:
+    """The architecture of `hf_cfg` with the training-only fields of `user_cfg` (init_from_hf)."""
+    return dataclasses.replace(hf_cfg, **{f: getattr(user_cfg, f) for f in TRAINING_FIELDS})
+
+
+def architecture_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """Every field that shapes the weights or the forward pass, for comparing two configs."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in TRAINING_FIELDS}
+
+
+def hf_dtype(hf: dict[str, Any]) -> Optional[torch.dtype]:
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name or "")

@@ -1,0 +1,163 @@
+"""Safetensors files read and written one tensor at a time.
+
+Reading: a Hugging Face model directory holds `model.safetensors`, or shards named by
+`model.safetensors.index.json` ({"weight_map": {tensor: file}}). `SafetensorsDir` opens each file
+with `safe_open` (memory-mapped) and reads a tensor's shape and dtype from the header alone.
+
+Writing: a safetensors file is an 8-byte little-endian header length, a JSON header
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}} padded with spaces
+to a multiple of 8, then the raw bytes of every tensor back to back. Since shapes and dtypes are
+known before any data, `write_sharded` writes each header first and then streams the tensors in,
+so at most one tensor is in memory. Shards follow the Hugging Face naming
+`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
+DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class SafetensorsError(ValueError):
+    """A model directory whose safetensors files cannot be used; the message names the file or tensor."""
+
+
+def _require_safetensors():
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise SafetensorsError("the 'safetensors' package is missing; install the extra: pip install 'meshtron[hf]'") from None
+    return safe_open
+
+
+class SafetensorsDir:
+    """Lazy view of the safetensors weights of a directory: names, shapes, dtypes, one tensor at a time."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        safe_open = _require_safetensors()
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.directory / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            raise SafetensorsError(f"{str(self.directory)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
+                                   "meshtron reads Hugging Face weights in safetensors format only")
+        self._handles = {}
+        self.file_of: dict[str, str] = {}
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        for name in files:
+            path = self.directory / name
+            if not path.is_file():
+                raise SafetensorsError(f"{str(path)!r} is named by {INDEX_FILE} but missing")
+            handle = safe_open(str(path), framework="pt")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self.file_of[key] = name
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES_BY_NAME[self._handles[self.file_of[name]].get_slice(name).get_dtype()]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive groups of at most `max_shard_bytes` (a larger tensor gets a shard of its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def _header(specs: list[TensorSpec]) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_sharded(directory: str | Path, specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],
+                  max_shard_bytes: int) -> list[str]:
+    """Write `specs` into shards plus the index, calling `produce(spec)` once per tensor, in order.
+
+    Returns the shard file names. Each produced tensor must match its spec's shape and dtype.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards(specs, max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    for file_name, shard in zip(names, shards):
+        with open(directory / file_name, "wb") as f:
+            f.write(_header(shard))
+            for spec in shard:
+                tensor = produce(spec)
+                if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                    raise SafetensorsError(f"tensor {spec.name}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                                           f"expected {spec.shape} {spec.dtype}")
+                _write_tensor(f, tensor)
+                weight_map[spec.name] = file_name
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _write_tensor(f, tensor: torch.Tensor) -> None:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel():
+        f.write(flat.view(torch.uint8).numpy().data)  # raw little-endian bytes, no copy
+
+
+def read_all(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory in memory at once (the non-streaming baseline)."""
+    view = SafetensorsDir(directory)
+    return {name: view.get(name) for name in view.keys()}
+
+
+def iter_specs(view: SafetensorsDir, names: Iterable[str]) -> list[TensorSpec]:
+    return [TensorSpec(n, view.shape(n), view.dtype(n)) for n in names]
