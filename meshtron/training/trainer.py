@@ -368,6 +368,10 @@ class Trainer:
         logger.message(f"data: {len(self.train_ds)} train / {len(self.valid_ds)} valid samples of "
                        f"{cfg.data.seq_length} tokens; global batch {cfg.train.global_batch_size} "
                        f"({self.loader.num_micro_batches} micro-batches of {cfg.train.micro_batch_size})")
+        d = self.dims
+        if d.world_size > 1:
+            logger.message(f"parallel: world {d.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x "
+                           f"dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}")
         startup = " | ".join(f"{k} {v:.2f}s" for k, v in self.timers.startup.items())
         logger.message(f"startup: {startup} | peak {self.peak_flops / 1e9:.1f} GFLOP/s")
         logger.log(self.step, {f"startup_{k}_s": v for k, v in self.timers.startup.items()}, kind="startup", echo=False)
@@ -413,7 +417,7 @@ class Trainer:
             "lr": window[-1].lr,
             "grad_norm": window[-1].grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
             "step_ms": 1e3 * seconds / len(window),
             "skipped": self.num_skipped,
             # separately logged losses (MTP depths, issue 4), averaged like the loss
