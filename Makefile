@@ -12,9 +12,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-run: $(STAMP)
+# The embedded corpus (CPython stdlib sources) -> a BPE tokenizer -> an indexed dataset, built once.
+DATA := runs/data
+$(DATA)/stdlib.jsonl: $(STAMP)
+	$(PY) -m meshtron corpus stdlib --output $@
+$(DATA)/tokenizer/tokenizer.json: $(DATA)/stdlib.jsonl
+	$(PY) -m meshtron tokenizer train --input $< --vocab-size 4096 --output $(DATA)/tokenizer
+$(DATA)/stdlib.idx: $(DATA)/tokenizer/tokenizer.json
+	$(PY) -m meshtron preprocess --input $(DATA)/stdlib.jsonl --json-key text --tokenizer $(DATA)/tokenizer \
+		--output-prefix $(DATA)/stdlib --workers 2 --append-eod --no-progress
+
+run: $(STAMP) $(DATA)/stdlib.idx
 	$(PY) -m meshtron train --config configs/tiny.yaml
-	$(PY) -m meshtron generate --checkpoint runs/tiny/checkpoints --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0
+	$(PY) -m meshtron generate --checkpoint runs/tiny/checkpoints --prompt "def " --max-new-tokens 120 --temperature 0.8 --top-k 40 --seed 0
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q

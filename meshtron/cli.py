@@ -82,12 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/train_throughput.py")
     bt.set_defaults(func=cmd_bench_train)
 
-    try:
-        from meshtron.data.commands import register as register_data_commands
-    except ImportError:
-        pass
-    else:
-        register_data_commands(sub)
+    from meshtron.data.commands import register as register_data_commands
+
+    register_data_commands(sub)
     try:
         from meshtron.models.hf.commands import register as register_convert_commands
     except ImportError:

@@ -9,7 +9,7 @@ import sys
 def test_train_then_generate(tmp_path):
     run = tmp_path / "run"
     train = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--config", "configs/tiny.yaml", "--train.train_iters", "3",
+        [sys.executable, "-m", "meshtron", "train", "--config", "configs/tiny-bytes.yaml", "--train.train_iters", "3",
          "--model.num_layers", "1", "--model.hidden_size", "32", "--model.ffn_hidden_size", "64",
          "--data.seq_length", "32", "--train.micro_batch_size", "2", "--train.global_batch_size", "2",
          "--train.run_dir", str(run), "--logger.log_interval", "1", "--train.peak_flops", "1e11"],
