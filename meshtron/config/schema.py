@@ -46,7 +46,7 @@ class ModelConfig:
     normalization: Literal["RMSNorm", "LayerNorm"] = option("RMSNorm", "Norm before every sublayer and at the end")
     norm_epsilon: float = option(1e-5, "Epsilon of the norms")
     activation: Literal["swiglu", "geglu", "geglu_tanh", "quick_geglu", "gelu", "gelu_tanh", "quick_gelu",
-                        "squared_relu"] = option("swiglu", "MLP activation; *glu are gated (three matrices)")
+                        "squared_relu"] = option("swiglu", "MLP activation; the *glu* ones are gated (three matrices)")
     activation_func_clamp_value: Optional[float] = option(
         None, "Gated MLPs: clamp the gate to <= c and the linear branch to [-c, c] (GPT-OSS uses 7.0)")
     glu_linear_offset: float = option(0.0, "Gated MLPs: act(gate) * (linear + offset) (GPT-OSS uses 1.0)")
@@ -186,10 +186,10 @@ class ModelConfig:
                 check(self.q_lora_rank >= 1, "model.q_lora_rank", self.q_lora_rank, "must be >= 1 or null")
 
     def _validate_mlp_and_mtp(self) -> None:
-        gated = self.activation.endswith("glu")
+        gated = "glu" in self.activation  # swiglu, geglu, geglu_tanh, quick_geglu
         if self.activation_func_clamp_value is not None:
             check(gated and self.activation_func_clamp_value > 0, "model.activation_func_clamp_value",
-                  self.activation_func_clamp_value, "must be > 0 and needs a gated activation (*glu)")
+                  self.activation_func_clamp_value, "must be > 0 and needs a gated activation (a *glu* one)")
         check(self.glu_linear_offset == 0.0 or gated, "model.glu_linear_offset", self.glu_linear_offset,
               "needs a gated activation (*glu)")
         check(self.mtp_num_layers >= 0, "model.mtp_num_layers", self.mtp_num_layers, "must be >= 0")

@@ -23,6 +23,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, *, scale: flo
            dropout: float = 0.0) -> torch.Tensor:
     """q (batch, heads, q_len, d), k (batch, kv_heads, k_len, d), v (batch, kv_heads, k_len, dv)
     -> (batch, heads, q_len, dv). Masks come from `ctx` (causal, documents, window)."""
+    # A context whose keys/values live on several ranks (context parallelism: parallel/context_parallel.py)
+    # computes this same product itself (ring attention), so nn/ stays single-device code.
+    ctx_attend = getattr(ctx, "attend", None)
+    if ctx_attend is not None:
+        return ctx_attend(q, k, v, scale=scale, window_size=window_size, sink_logits=sink_logits, dropout=dropout)
     if sink_logits is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1], **ctx.sdpa_mask(window_size))
@@ -37,9 +42,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     if k.shape[1] != heads:  # grouped-query attention: each key/value head serves heads/kv_heads queries
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (batch, heads, q_len, k_len)
+    compute = torch.promote_types(q.dtype, torch.float32)  # at least fp32 for the softmax
+    logits = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale  # (batch, heads, q_len, k_len)
     logits = logits.masked_fill(~mask, float("-inf"))
-    sink = sink_logits.float().view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+    sink = sink_logits.to(compute).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
     if dropout > 0:
         probs = F.dropout(probs, dropout)

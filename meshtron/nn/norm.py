@@ -1,4 +1,4 @@
-"""Normalisation layers: RMSNorm and LayerNorm, computed in fp32 and cast back."""
+"""Normalisation layers: RMSNorm and LayerNorm, computed in (at least) fp32 and cast back."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return (h * self.weight.to(compute)).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -30,7 +31,9 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = nn.functional.layer_norm(x.to(compute), (x.shape[-1],), self.weight.to(compute), self.bias.to(compute),
+                                     self.eps)
         return h.to(x.dtype)
 
 

@@ -52,7 +52,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """x (batch, seq, heads, head_dim); cos/sin (batch, seq, rotary_dim) with rotary_dim <= head_dim."""
     rot = cos.shape[-1]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     x_rot, x_pass = xf[..., :rot], xf[..., rot:]
     if interleaved:
         # The halves of cos/sin are equal; pair (2i, 2i+1) uses angle i, and the layout stays interleaved.

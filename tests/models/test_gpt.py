@@ -1,5 +1,5 @@
-"""GPT model: closed-form parameter counts, FLOPs formula, packed-document masking, KV-cache
-decoding, and overfitting one batch."""
+"""GPT model: closed-form parameter counts and FLOPs for every architecture option, packed-document
+masking, KV-cache decoding (windows, sinks, MLA included), and overfitting one batch."""
 
 from __future__ import annotations
 
@@ -10,12 +10,25 @@ from meshtron.config import ModelConfig
 from meshtron.models import GPTModel, count_parameters, flops_per_token
 from meshtron.nn.context import KVCacheContext, PackedContext
 
+MLA = {"multi_latent_attention": True, "q_lora_rank": 12, "kv_lora_rank": 10, "qk_head_dim": 6,
+       "qk_pos_emb_head_dim": 4, "v_head_dim": 5}
 VARIANTS = [
     {},
     {"normalization": "LayerNorm", "activation": "gelu", "add_bias_linear": True, "add_qkv_bias": True},
     {"tie_word_embeddings": True, "position_embedding_type": "learned_absolute", "num_query_groups": 1},
     {"activation": "squared_relu", "kv_channels": 16, "layer_pattern": "**--*"},
     {"activation": "quick_geglu", "position_embedding_type": "none", "layer_pattern": "-*"},
+    {"qk_layernorm": True, "softmax_type": "learnable", "window_size": 3, "window_attn_skip_freq": 2,
+     "rotary_percent": 0.5, "rotary_interleaved": True},
+    {"normalization": "LayerNorm", "qk_layernorm": True, "activation": "geglu_tanh", "add_bias_linear": True,
+     "add_qkv_bias": True, "softmax_type": "off-by-one", "window_size": 4, "window_attn_skip_freq": [0, 1]},
+    {**MLA, "position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+     "yarn_original_max_position_embeddings": 16, "yarn_mscale_all_dim": 1.0, "add_qkv_bias": True},
+    {**MLA, "q_lora_rank": None, "normalization": "LayerNorm", "softmax_type": "learnable", "add_bias_linear": True},
+    {"mtp_num_layers": 2, "activation": "quick_geglu", "activation_func_clamp_value": 7.0, "glu_linear_offset": 1.0,
+     "rope_scaling": True, "rope_scaling_original_max_position_embeddings": 16},
+    {"mtp_num_layers": 1, "normalization": "LayerNorm", "qk_layernorm": True, "softmax_type": "learnable",
+     "tie_word_embeddings": True},
 ]
 
 
@@ -48,6 +61,30 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(cfg, 64, 16) == expected
 
 
+def test_parameter_count_of_mla_and_mtp_by_hand():
+    # MLA, d=32, 4 heads, q rank 12, kv rank 10, d_n 6, d_r 4, d_v 5, RMSNorm:
+    # q: 32*12 + 12 (norm) + 12*4*10; kv: 32*(10+4) + 10 (norm) + 10*4*(6+5); out: 4*5*32
+    attn = 32 * 12 + 12 + 12 * 4 * 10 + 32 * 14 + 10 + 10 * 4 * 11 + 4 * 5 * 32
+    mlp = 3 * 32 * 48
+    # MTP depth: 2 input norms + 2d*d projection + (norm + attention) + (norm + MLP) + final norm
+    mtp = 2 * 32 + 2 * 32 * 32 + (32 + attn) + (32 + mlp) + 32
+    expected = 64 * 32 * 2 + 2 * (attn + mlp) + 5 * 32 + mtp
+    assert count_parameters(small(**MLA, mtp_num_layers=1), 64) == expected
+
+
+def test_flops_of_windows_and_mla_by_hand():
+    # a window of 4 keys in the second of two attention layers (every 2nd layer is full): keys 16 and 4
+    cfg = small(window_size=4, window_attn_skip_freq=2)
+    assert cfg.is_window_layer(0) and not cfg.is_window_layer(1)
+    expected = 6 * (64 * 32 + 2 * (3072 + 4608)) + 12 * (4 + 16) * 4 * 8
+    assert flops_per_token(cfg, 64, 16) == expected
+    # MLA scores: 2 * keys * heads * (d_n + d_r) forward for q k^T, 2 * keys * heads * d_v for p v; x3 for training
+    cfg = small(**MLA)
+    attn_w = 32 * 12 + 12 * 4 * 10 + 32 * 14 + 10 * 4 * 11 + 4 * 5 * 32
+    expected = 6 * (64 * 32 + 2 * (attn_w + 3 * 32 * 48)) + 2 * 6 * 16 * 4 * (6 + 4 + 5)
+    assert flops_per_token(cfg, 64, 16) == expected
+
+
 def test_shapes_and_loss_at_init():
     torch.manual_seed(0)
     model = GPTModel(small(), 64)
@@ -72,7 +109,7 @@ def test_packed_documents_equal_separate_forwards():
     assert not torch.allclose(model(packed)[:, 5:], ref[:, 5:], atol=1e-3)
 
 
-@pytest.mark.parametrize("kw", [{}, {"position_embedding_type": "learned_absolute"}])
+@pytest.mark.parametrize("kw", [{}, {"position_embedding_type": "learned_absolute"}] + VARIANTS[5:])
 def test_kv_cache_decoding_equals_full_forward(kw):
     torch.manual_seed(0)
     model = GPTModel(small(**kw), 64).eval()
