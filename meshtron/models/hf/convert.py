@@ -170,7 +170,7 @@ def hf_to_meshtron(hf_dir: str | Path, output: str | Path, *, streaming: bool = 
 def _export_config(carried: Optional[dict[str, Any]], adapter: FamilyAdapter, cfg: ModelConfig) -> dict[str, Any]:
     """The carried config.json unchanged when it still describes `cfg`; else the adapter's fields over it."""
     derived = adapter.to_hf_config(cfg)
-    if carried is not None and adapter_for_hf(carried) is adapter:
+    if carried is not None and adapter_for_hf(carried).name == adapter.name:
         try:
             same = architecture_fields(adapter.to_model_config(carried)) == architecture_fields(cfg)
         except ConversionError:
