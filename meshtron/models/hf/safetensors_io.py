@@ -1,8 +1,8 @@
 """Safetensors files read and written one tensor at a time.
 
 Reading: a Hugging Face model directory holds `model.safetensors`, or shards named by
-`model.safetensors.index.json` ({"weight_map": {tensor: file}}). `SafetensorsDir` opens each file
-with `safe_open` (memory-mapped) and reads a tensor's shape and dtype from the header alone.
+`model.safetensors.index.json` ({"weight_map": {tensor: file}}). `SafetensorsDir` reads every
+header once (names, dtypes, shapes, byte ranges) and then one tensor's bytes at a time.
 
 Writing: a safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}} padded with spaces
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,51 +35,76 @@ class SafetensorsError(ValueError):
     """A model directory whose safetensors files cannot be used; the message names the file or tensor."""
 
 
-def _require_safetensors():
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise SafetensorsError("the 'safetensors' package is missing; install the extra: pip install 'meshtron[hf]'") from None
-    return safe_open
-
-
 class SafetensorsDir:
-    """Lazy view of the safetensors weights of a directory: names, shapes, dtypes, one tensor at a time."""
+    """Lazy view of the safetensors weights of a directory: names, shapes, dtypes, one tensor at a time.
+
+    Headers are parsed here and each tensor is read with a plain positioned read into its own
+    buffer, so nothing stays mapped: memory-mapping the files would keep every page read so far
+    resident in this process, and the streaming conversion would grow to the size of the model.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        safe_open = _require_safetensors()
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (self.directory / SINGLE_FILE).is_file():
-            weight_map = None
+            files = [SINGLE_FILE]
         else:
             raise SafetensorsError(f"{str(self.directory)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
                                    "meshtron reads Hugging Face weights in safetensors format only")
-        self._handles = {}
         self.file_of: dict[str, str] = {}
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        self._entries: dict[str, tuple[str, torch.dtype, tuple[int, ...], int, int]] = {}
         for name in files:
             path = self.directory / name
             if not path.is_file():
                 raise SafetensorsError(f"{str(path)!r} is named by {INDEX_FILE} but missing")
-            handle = safe_open(str(path), framework="pt")
-            self._handles[name] = handle
-            for key in handle.keys():
+            for key, entry in _read_header(path).items():
                 self.file_of[key] = name
+                self._entries[key] = (name, *entry)
 
     def keys(self) -> list[str]:
-        return list(self.file_of)
+        return list(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+        return self._entries[name][2]
 
     def dtype(self, name: str) -> torch.dtype:
-        return DTYPES_BY_NAME[self._handles[self.file_of[name]].get_slice(name).get_dtype()]
+        return self._entries[name][1]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.file_of[name]].get_tensor(name)
+        file_name, dtype, shape, begin, end = self._entries[name]
+        buffer = bytearray(end - begin)
+        with open(self.directory / file_name, "rb") as f:
+            f.seek(begin)
+            if f.readinto(buffer) != len(buffer):
+                raise SafetensorsError(f"{str(self.directory / file_name)!r} is truncated at tensor {name!r}")
+        if not buffer:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def _read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """{tensor: (dtype, shape, absolute begin, absolute end)} from a safetensors file's header."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        header_len = struct.unpack("<Q", raw)[0] if len(raw) == 8 else size
+        if header_len > size - 8:
+            raise SafetensorsError(f"{str(path)!r} is not a safetensors file (bad header length)")
+        header = json.loads(f.read(header_len))
+    out = {}
+    data_start = 8 + header_len
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in DTYPES_BY_NAME:
+            raise SafetensorsError(f"{str(path)!r}: tensor {key!r} has dtype {info['dtype']}, which meshtron does not read")
+        begin, end = info["data_offsets"]
+        if data_start + end > size:
+            raise SafetensorsError(f"{str(path)!r} is truncated: tensor {key!r} ends past the end of the file")
+        out[key] = (DTYPES_BY_NAME[info["dtype"]], tuple(info["shape"]), data_start + begin, data_start + end)
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,7 +182,3 @@ def read_all(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a directory in memory at once (the non-streaming baseline)."""
     view = SafetensorsDir(directory)
     return {name: view.get(name) for name in view.keys()}
-
-
-def iter_specs(view: SafetensorsDir, names: Iterable[str]) -> list[TensorSpec]:
-    return [TensorSpec(n, view.shape(n), view.dtype(n)) for n in names]
