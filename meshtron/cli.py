@@ -2,6 +2,7 @@
 
     meshtron train --config C [--section.field value ...]
     meshtron generate --checkpoint DIR --prompt "def " [--max-new-tokens --temperature --top-k --top-p --seed]
+    meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 engine options]
     meshtron bench train [options]
 """
 
@@ -13,6 +14,7 @@ from typing import Optional
 
 from meshtron.config.fields import ConfigError
 from meshtron.config.loader import OneLineParser, add_config_arguments, overrides_from_args
+from meshtron.inference.config import add_engine_arguments
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -25,29 +27,40 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-    import yaml
+    from meshtron.inference.config import engine_config_from_args
+    from meshtron.inference.engine import LLMEngine
+    from meshtron.inference.request import InvalidRequestError, SamplingParams
 
-    from meshtron.checkpoint import load_checkpoint, read_checkpoint_config
-    from meshtron.config.loader import config_from_dict
-    from meshtron.data.tokenizer import build_tokenizer
-    from meshtron.inference.simple import generate_tokens
-    from meshtron.models import GPTModel
-    from meshtron.training.trainer import resolve_device
-
-    cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(args.checkpoint)))
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    device = resolve_device(args.device)
-    model = GPTModel(cfg.model, tokenizer.vocab_size).to(device)
-    load_checkpoint(args.checkpoint, model)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: {args.max_new_tokens} is not allowed; must be >= 1")
-    prompt_ids = tokenizer.encode(args.prompt)
-    ids = generate_tokens(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop_ids=(tokenizer.eod_id,))
-    torch.set_printoptions()  # nothing else printed by torch
-    print(args.prompt + tokenizer.decode(ids))
+    engine = LLMEngine.from_checkpoint(args.checkpoint, engine_config_from_args(args, skip=("seed",)))
+    prompt_ids = engine.tokenizer.encode(args.prompt)
+    # like the reference loop: stop at the context length rather than refuse a long request
+    max_tokens = max(1, min(args.max_new_tokens, engine.config.max_model_len - len(prompt_ids)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    try:
+        out = engine.generate(prompt_ids, params)[0]
+    except InvalidRequestError as e:
+        raise ConfigError(f"--{e.param.replace('_', '-')}: {e.message}") from None
+    print(args.prompt + out.text)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from meshtron.inference.config import engine_config_from_args
+    from meshtron.inference.engine import LLMEngine
+    from meshtron.inference.server import serve
+
+    engine_cfg = engine_config_from_args(args)
+    from meshtron.checkpoint import resolve_checkpoint
+
+    resolve_checkpoint(args.checkpoint)  # a wrong path fails here, in one line, before the server starts
+
+    def factory() -> LLMEngine:
+        return LLMEngine.from_checkpoint(args.checkpoint, engine_cfg, model_name=args.model_name)
+
+    return serve(factory, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
@@ -74,7 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
+    add_engine_arguments(gen, skip=("device", "seed"))
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint",
+                         description="Serve /v1/completions, /v1/chat/completions, /v1/models and /health.")
+    srv.add_argument("--checkpoint", required=True, help="checkpoint directory (a step dir or its parent with 'latest')")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: checkpoint dir name)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds in-flight requests get to finish (default 30)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn log level (default info)")
+    add_engine_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=OneLineParser)
@@ -91,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register_convert_commands(sub)
+    try:
+        from meshtron.parallel.plan_command import register as register_plan_command
+    except ImportError:
+        pass
+    else:
+        register_plan_command(sub)
     return parser
 
 

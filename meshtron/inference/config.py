@@ -1,0 +1,102 @@
+"""EngineConfig: every option of the serving engine, typed and checked once.
+
+The CLI (`meshtron serve` / `generate`) builds its flags from these fields, so each field's help
+string is the documentation of the flag. Sizes the engine can derive (the number of KV blocks,
+the context length) default to None and are resolved against the model in `resolve()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from meshtron.config.fields import ConfigError, option
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = option(16, "Tokens per KV-cache block (the unit of allocation and prefix sharing)")
+    num_blocks: Optional[int] = option(None, "KV-cache blocks; null sizes the cache from kv_cache_memory_mb")
+    kv_cache_memory_mb: float = option(512.0, "Memory for keys/values when num_blocks is null, in MiB")
+    max_num_seqs: int = option(64, "Most requests running at once (the batch's request dimension)")
+    max_num_batched_tokens: int = option(512, "Token budget of one step, prefill chunks and decodes together")
+    enable_chunked_prefill: bool = option(True, "Split long prompts over steps so decodes keep flowing")
+    enable_prefix_caching: bool = option(True, "Reuse cached blocks of identical prompt prefixes (by content hash)")
+    max_model_len: Optional[int] = option(None, "Longest prompt + output; null means model.max_position_embeddings")
+    seed: int = option(0, "Seed for requests that give none (each request gets its own generator)")
+    device: str = option("auto", "Where to run: auto, cpu, cuda")
+    cuda_graphs: bool = option(False, "CUDA only: replay captured graphs for decode batches (eager otherwise)")
+    cuda_graph_batch_sizes: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64), "CUDA graphs: decode batch buckets")
+    layout: str = option("auto", "Batch layout: auto (cheaper by estimate), packed (one row) or padded (row per request)")
+
+    LAYOUTS = ("auto", "packed", "padded")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, value, rule: str) -> None:
+            if not ok:
+                raise ConfigError(f"engine.{name}: {value!r} is not allowed; {rule}")
+
+        need(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        need(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks, "must be >= 1 or null")
+        need(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb", self.kv_cache_memory_mb, "must be > 0")
+        need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
+        need(self.device in ("auto", "cpu", "cuda"), "device", self.device, "choose auto, cpu or cuda")
+        need(self.layout in self.LAYOUTS, "layout", self.layout, f"choose one of {self.LAYOUTS}")
+        need(all(b >= 1 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes",
+             self.cuda_graph_batch_sizes, "every bucket must be >= 1")
+
+    def resolve(self, model_max_len: int, bytes_per_token: int) -> EngineConfig:
+        """A copy with max_model_len and num_blocks filled in and cross-field rules checked."""
+        self.validate()
+        max_len = self.max_model_len or model_max_len
+        if max_len > model_max_len:
+            raise ConfigError(f"engine.max_model_len: {max_len} exceeds the model's max_position_embeddings "
+                              f"{model_max_len}; lower it")
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            num_blocks = max(1, int(self.kv_cache_memory_mb * 2**20) // max(1, bytes_per_token * self.block_size))
+        out = dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks)
+        if not out.enable_chunked_prefill and out.max_num_batched_tokens < max_len:
+            raise ConfigError(f"engine.max_num_batched_tokens: {out.max_num_batched_tokens} is below max_model_len "
+                              f"{max_len}, so without chunked prefill a long prompt could never run; raise it "
+                              "or enable chunked prefill")
+        return out
+
+    @property
+    def max_cached_tokens(self) -> int:
+        assert self.num_blocks is not None, "resolve() the config first"
+        return self.num_blocks * self.block_size
+
+
+def engine_config_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(EngineConfig))
+
+
+def add_engine_arguments(parser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (--max-num-seqs ...), help and default from the field."""
+    import argparse
+
+    for f in engine_config_fields():
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"] + f" (default {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+        elif f.name == "cuda_graph_batch_sizes":
+            parser.add_argument(flag, dest=f.name, default=f.default, help=help_text + "; comma-separated",
+                                type=lambda s: tuple(int(x) for x in s.split(",") if x))
+        else:
+            kind = {"int": int, "Optional[int]": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
+
+
+def engine_config_from_args(args, skip: tuple[str, ...] = ()) -> EngineConfig:
+    cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in engine_config_fields()
+                          if f.name not in skip and hasattr(args, f.name)})
+    cfg.validate()
+    return cfg

@@ -1,0 +1,318 @@
+"""LLMEngine: requests in, tokens out, through the scheduler, the KV cache manager and the runner.
+
+`step()` is synchronous: schedule, one forward, sample, apply, detokenize, hand out outputs. Two
+fronts use it:
+- `generate(prompts, params)` steps until its requests finish (a script, `meshtron generate`);
+- `stream(prompt, params)` is an async iterator. The first call starts a background thread that
+  steps while there is work, so awaiting a stream never blocks the caller's event loop and works
+  inside any running loop (a web server, a notebook). Requests and aborts from the loop reach the
+  thread through an inbox; outputs come back with `loop.call_soon_threadsafe`.
+A lock makes `step`, `suspend` and `resume` exclusive, so the fronts can be mixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from meshtron.inference.config import EngineConfig
+from meshtron.inference.kv_cache_manager import KVCacheManager
+from meshtron.inference.outputs import Detokenizer, RequestOutput
+from meshtron.inference.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from meshtron.inference.runner import ModelRunner, kv_bytes_per_token
+from meshtron.inference.scheduler import Scheduler
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLMEngine:
+    def __init__(self, model: nn.Module, tokenizer, config: Optional[EngineConfig] = None, *,
+                 model_name: str = "meshtron"):
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.config = (config or EngineConfig()).resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model))
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.vocab_size
+        self.kv = KVCacheManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.runner = ModelRunner(model, self.config, self.device)
+        self._detokenizers: dict[str, Detokenizer] = {}
+        self._seeds: dict[str, int] = {}
+        self._rng = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._suspended: Optional[list[tuple[Request, torch.Tensor]]] = None
+        self._thread: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self.num_steps = 0
+
+    @classmethod
+    def from_checkpoint(cls, path, config: Optional[EngineConfig] = None, *, tp_mesh=None,
+                        model_name: Optional[str] = None) -> LLMEngine:
+        """Build the model and tokenizer a checkpoint was trained with and load its weights.
+
+        With `tp_mesh` the model is sharded with the training tensor-parallel plans first; every rank
+        of the mesh then runs the same engine on the same requests (SPMD).
+        """
+        from meshtron.inference.loading import load_model_and_tokenizer
+
+        config = config or EngineConfig()
+        config.validate()
+        model, tokenizer, name = load_model_and_tokenizer(path, config.device, tp_mesh)
+        return cls(model, tokenizer, config, model_name=model_name or name)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     req_id: Optional[str] = None) -> Request:
+        """Tokenize and validate; raises InvalidRequestError (carrying the id) for bad input."""
+        req_id = req_id or f"req-{next(self._ids)}"
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        params.validate(req_id, len(token_ids), self.config.max_model_len, self.vocab_size)
+        if len(token_ids) + params.max_tokens > self.config.max_cached_tokens:
+            raise InvalidRequestError(req_id, "max_tokens", f"prompt + max_tokens = {len(token_ids) + params.max_tokens} "
+                                      f"tokens exceed the whole KV cache ({self.config.max_cached_tokens} tokens)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(req_id, "prompt", f"token ids {bad[:4]} outside the vocabulary [0, {self.vocab_size})")
+        return Request(req_id, token_ids, params, eos_token_id=getattr(self.tokenizer, "eod_id", None))
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    req_id: Optional[str] = None) -> str:
+        request = self.make_request(prompt, params, req_id)
+        with self._lock:
+            self._admit(request)
+        return request.req_id
+
+    def _admit(self, request: Request) -> None:
+        if request.req_id in self.scheduler.requests or request.req_id in self._detokenizers:
+            raise InvalidRequestError(request.req_id, "request_id", "a request with this id is already running")
+        seed = request.sampling_params.seed
+        seed = seed if seed is not None else self._rng.getrandbits(63)
+        self._seeds[request.req_id] = seed
+        self.runner.add_request(request.req_id, request.sampling_params, seed)
+        self._detokenizers[request.req_id] = Detokenizer(self.tokenizer, request.sampling_params.stop)
+        self.scheduler.add_request(request)
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is not running."""
+        with self._lock:
+            request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+            if request is None:
+                return False
+            self._emit([self._finish_output(request)])
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or (self._suspended is not None and bool(self._suspended))
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and return the outputs of every request that changed."""
+        with self._lock:
+            self._drain_inbox()
+            if self._suspended is not None:
+                return []
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            self.num_steps += 1
+            try:
+                sampled = self.runner.execute(sched)
+            except Exception as e:  # fail this step's requests, keep serving the others
+                return self._emit([self._fail(c.req_id, f"{type(e).__name__}: {e}") for c in sched.chunks])
+            changed = self.scheduler.update_from_output(sched, sampled)
+            return self._emit(self._outputs(changed))
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        now, outputs = time.monotonic(), []
+        for request in changed:
+            detok = self._detokenizers[request.req_id]
+            if detok.update(request) and not request.is_finished:
+                self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                outputs.append(self._finish_output(request, now))
+            else:
+                outputs.append(detok.output(request, now))
+        return outputs
+
+    def _finish_output(self, request: Request, now: Optional[float] = None) -> RequestOutput:
+        detok = self._detokenizers.pop(request.req_id, None) or Detokenizer(self.tokenizer, ())
+        detok.update(request)  # the final text, cut at a stop string
+        self.runner.remove_request(request.req_id)
+        self._seeds.pop(request.req_id, None)
+        return detok.output(request, now or time.monotonic())
+
+    def _fail(self, req_id: str, message: str) -> RequestOutput:
+        request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_FAILED)
+        assert request is not None, f"{req_id} failed after it finished"
+        request.error = message
+        return self._finish_output(request)
+
+    def _emit(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            target = self._streams.get(out.req_id)
+            if target is not None:
+                loop, q = target
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+                except RuntimeError:  # the stream's loop is closed: nobody is listening any more
+                    self._streams.pop(out.req_id, None)
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self._admit(item)
+                except InvalidRequestError as e:
+                    item.status, item.error = RequestStatus.FINISHED_FAILED, str(e)
+                    self._emit([Detokenizer(self.tokenizer, ()).output(item, time.monotonic())])
+            else:
+                self.abort(item)
+
+    # ---- synchronous front ----------------------------------------------------------------------
+
+    def generate(self, prompts: Union[Prompt, list[Prompt]], params: Union[SamplingParams, list[SamplingParams], None] = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. Invalid input raises before anything runs."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        prompt_list = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, list) else [params] * len(prompt_list)
+        requests = [self.make_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        if self._thread is not None:  # the background loop steps: wait for it like any stream
+            return self._generate_via_loop(requests)
+        with self._lock:
+            for request in requests:
+                self._admit(request)
+            final: dict[str, RequestOutput] = {}
+            while len(final) < len(requests):
+                for out in self.step():
+                    if out.finished:
+                        final[out.req_id] = out
+                if self._suspended is not None:
+                    raise RuntimeError("the engine was suspended during generate(); resume() it first")
+        return [final[r.req_id] for r in requests]
+
+    def _generate_via_loop(self, requests: list[Request]) -> list[RequestOutput]:
+        async def collect() -> list[RequestOutput]:
+            async def one(request: Request) -> RequestOutput:
+                outputs = [out async for out in self.stream_request(request)]
+                return outputs[-1]
+            return await asyncio.gather(*(one(r) for r in requests))
+        return asyncio.run(collect())
+
+    # ---- asynchronous front ---------------------------------------------------------------------
+
+    async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     req_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time the request gets tokens; the last has finished=True.
+        Leaving the loop early (or cancelling the task) aborts the request and frees its blocks."""
+        async for out in self.stream_request(self.make_request(prompt, params, req_id)):
+            yield out
+
+    async def stream_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream a request made (and validated) by `make_request`."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request.req_id] = (asyncio.get_running_loop(), q)
+        self._inbox.put(("add", request))
+        self.start_background_loop()
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request.req_id, None)
+            if not finished:
+                self._inbox.put(("abort", request.req_id))
+                self._wake.set()
+
+    def start_background_loop(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run_loop, name="meshtron-engine", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run_loop(self) -> None:
+        while not self._stopping:
+            if self._inbox.empty() and (self.scheduler.num_unfinished == 0 or self._suspended is not None):
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            self.step()
+
+    def shutdown(self, abort_running: bool = True) -> None:
+        """Stop the background thread; abort what is still running (the server drains first)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        if abort_running:
+            with self._lock:
+                self._drain_inbox()
+                for req_id in list(self.scheduler.requests):
+                    self.abort(req_id)
+
+    # ---- suspend / resume -----------------------------------------------------------------------
+
+    def suspend(self) -> None:
+        """Free the KV cache and device buffers; in-flight requests are kept (with their sampling
+        state) and re-added in arrival order by `resume()`, which recomputes their caches."""
+        with self._lock:
+            if self._suspended is not None:
+                return
+            self._drain_inbox()
+            requests = self.scheduler.evict_all()
+            self._suspended = [(r, self.runner.generator_state(r.req_id)) for r in requests]
+            self.kv.reset()
+            self.runner.release()
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._suspended is None:
+                return
+            later = list(self.scheduler.waiting)  # added while suspended
+            self.scheduler.waiting.clear()
+            for request, state in self._suspended:
+                if request.is_finished:  # aborted while suspended
+                    continue
+                self.runner.add_request(request.req_id, request.sampling_params, self._seeds[request.req_id], state)
+                if request.status == RequestStatus.RUNNING:
+                    request.status = RequestStatus.PREEMPTED
+                self.scheduler.waiting.append(request)
+            for request in later:
+                self.scheduler.waiting.append(request)
+                if request.req_id not in self.runner.generators:
+                    self.runner.add_request(request.req_id, request.sampling_params, self._seeds[request.req_id])
+            self._suspended = None
+        self._wake.set()
+
+    @property
+    def is_suspended(self) -> bool:
+        return self._suspended is not None
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_free_blocks": self.kv.num_free_blocks, "num_blocks": self.config.num_blocks,
+                "num_steps": self.num_steps, "forwards": dict(self.runner.num_forwards)}

@@ -1,0 +1,56 @@
+"""Build the model and tokenizer a checkpoint was trained with, for inference (optionally sharded
+with the training tensor-parallel plans), and find the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+
+def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None):
+    """-> (model in eval mode with the checkpoint's weights, tokenizer, a model name)."""
+    from meshtron.checkpoint import load_checkpoint, read_checkpoint_config
+    from meshtron.config.loader import config_from_dict
+    from meshtron.data.tokenizer import build_tokenizer
+    from meshtron.models import GPTModel
+    from meshtron.training.trainer import resolve_device
+
+    cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(path)))
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    device = resolve_device(device_name)
+    model = GPTModel(cfg.model, tokenizer.vocab_size).to(device)
+    if tp_mesh is not None:
+        from meshtron.parallel.tensor_parallel import apply_tp
+
+        # Sequence parallelism would split the query dimension, which is 1 for a decode: off.
+        apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=False)
+    load_checkpoint(path, model)
+    model.eval()
+    tokenizer.chat_template = read_chat_template(cfg.tokenizer.path if cfg.tokenizer.type == "hf" else None)
+    return model, tokenizer, model_name_for(path)
+
+
+def model_name_for(path) -> str:
+    """The checkpoint's directory name; a run's `checkpoints` dir is named after the run."""
+    p = Path(path).resolve()
+    return p.parent.name if p.name == "checkpoints" else p.name
+
+
+def read_chat_template(tokenizer_dir: Optional[str]) -> Optional[str]:
+    """The Jinja chat template of a Hugging Face tokenizer directory, or None."""
+    if not tokenizer_dir:
+        return None
+    root = Path(tokenizer_dir)
+    root = root if root.is_dir() else root.parent
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    config = root / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+    return None

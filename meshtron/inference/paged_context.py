@@ -1,0 +1,152 @@
+"""The paged attention context: keys/values live in block-addressed cache tensors, read back through
+block tables, for a batch that mixes prefill chunks and decodes.
+
+Layouts (the runner picks one per step, see `runner.choose_layout`):
+- packed: every scheduled token in one row (batch 1). Keys are the concatenation of each
+  sequence's whole context, and the mask keeps sequences apart (a query sees only keys of its own
+  sequence, causally, within the layer's window). No padding, but attention work is
+  tokens x all keys, so it suits steps with long prefill chunks and few decodes.
+- padded: one row per sequence, queries padded to the longest chunk and keys to the longest
+  context. Attention work is rows x chunk x context, so it suits many decodes.
+Both satisfy the interface of `meshtron.nn.context`: `positions` (rows, q), `rope`,
+`update_kv(layer_id, k, v)` and `attention_mask` / `sdpa_mask`.
+
+Slots: token position p of a sequence with block table B lives at slot B[p // bs] * bs + p % bs of
+each layer's cache tensor (num_blocks * bs + 1, kv_heads, head_dim). The extra last slot is a
+scratch slot: padding writes land there and padded keys read from it (masked out). A padding query
+attends only its row's first key, so it stays finite and never spreads NaNs into real rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from meshtron.inference.scheduler import ScheduledChunk
+
+
+class PagedKVCache:
+    """Per-layer key and value tensors (num_slots + 1, kv_heads, dim), allocated on first use so their
+    head count and width come from the layer itself (tensor-parallel shards, MLA's wider keys)."""
+
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device):
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.scratch_slot = num_blocks * block_size
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (rows, kv_heads, q, dk), v (rows, kv_heads, q, dv) only give shapes and dtype."""
+        if layer_id not in self.layers:
+            num_slots = self.scratch_slot + 1
+            self.layers[layer_id] = tuple(
+                torch.zeros(num_slots, t.shape[1], t.shape[3], dtype=t.dtype, device=self.device) for t in (k, v))
+        return self.layers[layer_id]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.layers.values() for t in pair)
+
+    def release(self) -> None:
+        self.layers.clear()
+
+
+@dataclass
+class PagedContext:
+    positions: torch.Tensor  # (rows, q) long
+    write_slots: torch.Tensor  # (rows * q,) cache slot of each query token; padding -> scratch slot
+    key_slots: torch.Tensor  # (rows, k) cache slot of each key; padding -> scratch slot
+    key_positions: torch.Tensor  # (rows, k) position of each key in its sequence
+    key_seq: torch.Tensor  # (rows, k) which sequence of the batch a key belongs to; padding -1
+    query_seq: torch.Tensor  # (rows, q) which sequence a query belongs to; padding -1
+    cache: PagedKVCache
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new k, v (rows, kv_heads, q, d) into the cache; return every key/value the rows
+        attend: (rows, kv_heads, k, d), in `key_slots` order."""
+        k_cache, v_cache = self.cache.layer(layer_id, k, v)
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache.index_copy_(0, self.write_slots, new.transpose(1, 2).reshape(-1, *cache.shape[1:]))
+        return k_cache[self.key_slots].transpose(1, 2), v_cache[self.key_slots].transpose(1, 2)
+
+    def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
+        """Boolean (rows, 1, q, k): same sequence, causal, within the window; padding sees key 0."""
+        if window_size not in self._masks:
+            q_pos, k_pos = self.positions[:, :, None], self.key_positions[:, None, :]
+            mask = (self.query_seq[:, :, None] == self.key_seq[:, None, :]) & (k_pos <= q_pos)
+            if window_size is not None:
+                mask = mask & (q_pos - k_pos < window_size)
+            pad_query = (self.query_seq < 0)[:, :, None]
+            first_key = torch.zeros_like(mask[:1, :1])
+            first_key[..., 0] = True
+            self._masks[window_size] = (mask | (pad_query & first_key))[:, None]
+        return self._masks[window_size]
+
+    def sdpa_mask(self, window_size: Optional[int] = None) -> dict[str, Any]:
+        return {"attn_mask": self.attention_mask(window_size)}
+
+
+@dataclass
+class PagedBatch:
+    """The model input of one step: tokens (rows, q), its context, and where to read the logits."""
+
+    tokens: torch.Tensor
+    ctx: PagedContext
+    sample_index: torch.Tensor  # (num_sampling,) flat index into rows * q of each sampled sequence's last token
+    sample_req_ids: list[str]
+
+
+def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    table = np.asarray(block_ids, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout: str,
+                      num_rows: Optional[int] = None, num_keys: Optional[int] = None) -> PagedBatch:
+    """Lay out the step's chunks as `layout` ('packed' or 'padded'). num_rows / num_keys pad the
+    padded layout further (fixed shapes for CUDA graphs)."""
+    bs, scratch = cache.block_size, cache.scratch_slot
+    seqs = []
+    for i, c in enumerate(chunks):
+        end = c.start_pos + len(c.token_ids)
+        q_pos, k_pos = np.arange(c.start_pos, end), np.arange(end)
+        seqs.append((i, c, q_pos, k_pos, _slots(c.block_ids, q_pos, bs), _slots(c.block_ids, k_pos, bs)))
+    if layout == "packed":
+        groups = [seqs]
+        num_q = sum(len(s[2]) for s in seqs)
+        num_k = sum(len(s[3]) for s in seqs)
+    else:
+        groups = [[s] for s in seqs] + [[] for _ in range((num_rows or len(seqs)) - len(seqs))]
+        num_q = max(len(s[2]) for s in seqs)
+        num_k = max(num_keys or 0, max(len(s[3]) for s in seqs))
+    rows = len(groups)
+    tokens = np.zeros((rows, num_q), dtype=np.int64)
+    positions = np.zeros((rows, num_q), dtype=np.int64)
+    write_slots = np.full((rows, num_q), scratch, dtype=np.int64)
+    query_seq = np.full((rows, num_q), -1, dtype=np.int64)
+    key_slots = np.full((rows, num_k), scratch, dtype=np.int64)
+    key_positions = np.zeros((rows, num_k), dtype=np.int64)
+    key_seq = np.full((rows, num_k), -1, dtype=np.int64)
+    sample_index, sample_req_ids = [], []
+    for r, group in enumerate(groups):
+        q_at = k_at = 0
+        for i, c, q_pos, k_pos, q_slots, k_slots in group:
+            q_end, k_end = q_at + len(q_pos), k_at + len(k_pos)
+            tokens[r, q_at:q_end] = c.token_ids
+            positions[r, q_at:q_end], write_slots[r, q_at:q_end], query_seq[r, q_at:q_end] = q_pos, q_slots, i
+            key_positions[r, k_at:k_end], key_slots[r, k_at:k_end], key_seq[r, k_at:k_end] = k_pos, k_slots, i
+            if c.samples:
+                sample_index.append(r * num_q + q_end - 1)
+                sample_req_ids.append(c.req_id)
+            q_at, k_at = q_end, k_end
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(cache.device, non_blocking=True)
+
+    ctx = PagedContext(positions=t(positions), write_slots=t(write_slots.reshape(-1)), key_slots=t(key_slots),
+                       key_positions=t(key_positions), key_seq=t(key_seq), query_seq=t(query_seq), cache=cache)
+    return PagedBatch(t(tokens), ctx, t(np.asarray(sample_index, dtype=np.int64)), sample_req_ids)

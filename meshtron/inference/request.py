@@ -1,0 +1,179 @@
+"""One generation request: its token ids, progress, status, sampling parameters and lifecycle events.
+
+A `Request` is the unit every part of the engine agrees on: the scheduler moves it between queues
+and advances `num_computed_tokens`, the KV cache manager keys block tables by its `req_id`, the
+runner reads its tokens, and the engine turns its outputs into results. `SamplingParams` are
+checked once, on arrival; a bad value raises `InvalidRequestError` carrying the request id.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; `req_id` names it, `param` the offending field (HTTP 400)."""
+
+    def __init__(self, req_id: str, param: str, message: str):
+        super().__init__(f"request {req_id}: {param}: {message}")
+        self.req_id, self.param, self.message = req_id, param, message
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; waits to be recomputed from its tokens
+    FINISHED_STOPPED = "stop"  # eos, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length reached
+    FINISHED_ABORTED = "abort"
+    FINISHED_FAILED = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISHED
+
+
+FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_FAILED)
+
+
+class EventType(enum.Enum):
+    ADDED = "added"
+    SCHEDULED = "scheduled"  # first scheduled after arriving or after a preemption
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    kind: EventType
+    timestamp: float  # time.monotonic()
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples; every request in a batch may differ."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the largest probability
+    seed: Optional[int] = None  # a seeded request samples the same tokens whatever else is in the batch
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before the match
+    ignore_eos: bool = False
+    return_log_probs: bool = False
+    top_log_probs: int = 0  # with return_log_probs: also the n most likely tokens at each step
+
+    MAX_TOP_LOG_PROBS = 20
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, req_id: str, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        def need(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(req_id, param, message)
+
+        need(num_prompt_tokens > 0, "prompt", "the prompt is empty; give at least one token")
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+             f"{self.max_tokens} is not allowed; must be an integer >= 1")
+        need(num_prompt_tokens + self.max_tokens <= max_model_len, "max_tokens",
+             f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({self.max_tokens}) exceeds the context "
+             f"length {max_model_len}; shorten the prompt or lower max_tokens")
+        need(self.temperature >= 0, "temperature", f"{self.temperature} is not allowed; must be >= 0")
+        need(0 < self.top_p <= 1, "top_p", f"{self.top_p} is not allowed; must be in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+             f"{self.top_k} is not allowed; must be an integer >= 0 (0 keeps all)")
+        need(0 <= self.min_p <= 1, "min_p", f"{self.min_p} is not allowed; must be in [0, 1]")
+        need(0 <= self.top_log_probs <= self.MAX_TOP_LOG_PROBS, "top_log_probs",
+             f"{self.top_log_probs} is not allowed; must be in [0, {self.MAX_TOP_LOG_PROBS}]")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        need(not bad, "stop_token_ids", f"{bad} outside the vocabulary [0, {vocab_size})")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        need(self.seed is None or isinstance(self.seed, int), "seed", f"{self.seed!r} is not an integer")
+
+
+@dataclass
+class TokenLogProbs:
+    """The chosen token's log probability and the top-n alternatives at one step."""
+
+    token_id: int
+    log_prob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+_ARRIVALS = itertools.count()
+
+
+@dataclass(eq=False)  # requests compare by identity: two equal-looking requests are still two
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int] = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = field(default_factory=lambda: next(_ARRIVALS))  # FCFS order, never tied
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
+    num_preemptions: int = 0
+    log_probs: list[TokenLogProbs] = field(default_factory=list)
+    events: list[RequestEvent] = field(default_factory=list)
+    error: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.record(EventType.ADDED)
+
+    def record(self, kind: EventType) -> None:
+        self.events.append(RequestEvent(kind, time.monotonic()))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """OpenAI's word for why it ended: 'stop', 'length', 'abort', 'error' (None while running)."""
+        return self.status.value if self.is_finished else None
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def check_stop(self, max_model_len: int) -> Optional[RequestStatus]:
+        """After a token was appended: the finished status it causes, or None to go on."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

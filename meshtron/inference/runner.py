@@ -1,0 +1,129 @@
+"""The model runner: everything that is a tensor. The paged KV cache, the batch built from a
+`SchedulerOutput`, one forward through the model's paged context, and per-request sampling with
+per-request generators (seeded requests sample the same whatever they are batched with).
+
+Layout choice: attention over the packed row costs (tokens x all keys) and the padded rows cost
+(rows x longest chunk x longest context) plus the padded tokens' linear work; `choose_layout`
+estimates both in FLOPs from the model's shape and takes the cheaper one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from meshtron.inference.config import EngineConfig
+from meshtron.inference.paged_context import PagedKVCache, build_paged_batch
+from meshtron.inference.request import SamplingParams
+from meshtron.inference.sampler import sample_rows
+from meshtron.inference.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) weight's local shard; a plain tensor as it is."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [layer.mixer for layer in model.layers if getattr(layer, "symbol", None) == "*"]
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of keys and values one token needs across all attention layers on this rank."""
+    total = 0
+    element = next(model.parameters()).element_size()
+    for mixer in attention_layers(model):
+        if hasattr(mixer, "wkv_b"):  # MLA caches expanded per-head keys (d_n + d_r) and values (d_v)
+            heads = _local(mixer.wkv_b.weight).shape[0] // (mixer.qk_head_dim + mixer.v_head_dim)
+            total += heads * (mixer.qk_head_dim + mixer.qk_pos_emb_head_dim + mixer.v_head_dim)
+        else:
+            total += 2 * _local(mixer.wk.weight).shape[0]
+    return max(1, total * element)
+
+
+def cost_weights(model: nn.Module) -> tuple[float, float]:
+    """(FLOPs per query-key pair over all layers, FLOPs per token outside attention products)."""
+    per_pair = 0.0
+    for mixer in attention_layers(model):
+        if hasattr(mixer, "wkv_b"):
+            per_pair += 2 * mixer.num_heads * (mixer.qk_head_dim + mixer.qk_pos_emb_head_dim + mixer.v_head_dim)
+        else:
+            per_pair += 4 * _local(mixer.wq.weight).shape[0]  # q.k and p.v, heads x head_dim each
+    per_token = 2.0 * sum(_local(p).numel() for n, p in model.named_parameters() if "embedding" not in n)
+    return per_pair, per_token
+
+
+def choose_layout(chunks: list[ScheduledChunk], per_pair: float, per_token: float) -> str:
+    num_q = [len(c.token_ids) for c in chunks]
+    num_k = [c.start_pos + n for c, n in zip(chunks, num_q)]
+    total_q = sum(num_q)
+    packed = total_q * sum(num_k) * per_pair + total_q * per_token
+    padded_tokens = len(chunks) * max(num_q)
+    padded = padded_tokens * max(num_k) * per_pair + padded_tokens * per_token
+    return "packed" if packed <= padded else "padded"
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cfg: EngineConfig, device: torch.device):
+        self.model = model.eval()
+        self.cfg, self.device = cfg, device
+        self.cache = PagedKVCache(cfg.num_blocks, cfg.block_size, device)
+        self.generators: dict[str, torch.Generator] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.per_pair, self.per_token = cost_weights(model)
+        self.num_forwards = {"packed": 0, "padded": 0, "graph": 0}
+        self.graphs = None
+        if cfg.cuda_graphs:
+            from meshtron.inference.cuda_graphs import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner.create(self.model, self.cache, cfg)
+
+    def add_request(self, req_id: str, params: SamplingParams, seed: int,
+                    generator_state: Optional[torch.Tensor] = None) -> None:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        if generator_state is not None:
+            generator.set_state(generator_state)
+        self.generators[req_id], self.params[req_id] = generator, params
+
+    def generator_state(self, req_id: str) -> torch.Tensor:
+        return self.generators[req_id].get_state()
+
+    def remove_request(self, req_id: str) -> None:
+        self.generators.pop(req_id, None)
+        self.params.pop(req_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """One forward over the step's chunks; sample the requests whose chunk ends their tokens."""
+        if out.is_empty:
+            return {}
+        logits, req_ids = self._forward(out.chunks)
+        if not req_ids:
+            return {}
+        return sample_rows(logits, [self.params[r] for r in req_ids], [self.generators[r] for r in req_ids], req_ids)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[str]]:
+        """-> logits (num_sampling, vocab) and the request id of each row."""
+        if self.graphs is not None:
+            result = self.graphs.run(chunks)
+            if result is not None:
+                self.num_forwards["graph"] += 1
+                return result
+        layout = self.cfg.layout if self.cfg.layout != "auto" else choose_layout(chunks, self.per_pair, self.per_token)
+        self.num_forwards[layout] += 1
+        batch = build_paged_batch(chunks, self.cache, layout)
+        logits = self.model(batch.tokens, batch.ctx)  # (rows, q, vocab)
+        return logits.reshape(-1, logits.shape[-1])[batch.sample_index], batch.sample_req_ids
+
+    def release(self) -> None:
+        """Free the cache tensors, captured graphs and generators (suspend)."""
+        self.cache.release()
+        if self.graphs is not None:
+            self.graphs.release()
+        self.generators.clear()
+        self.params.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

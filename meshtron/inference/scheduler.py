@@ -1,0 +1,180 @@
+"""Continuous batching under a token budget: no prefill or decode phases, just tokens to compute.
+
+Each step the scheduler walks the running requests in arrival order and gives each the tokens it
+still needs (one for a decode, the rest of the prompt — or a budget-sized chunk of it — for a
+prefill), then admits waiting requests first-come-first-served while budget, request slots and
+KV blocks last. When a running request cannot get a block, the most recently arrived running
+request is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed from its tokens later (the prefix cache often makes that cheap). The result is a plain
+`SchedulerOutput`; `update_from_output` applies what the runner sampled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from meshtron.inference.config import EngineConfig
+from meshtron.inference.kv_cache_manager import KVCacheManager
+from meshtron.inference.request import EventType, Request, RequestStatus, TokenLogProbs
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens one request computes this step."""
+
+    req_id: str
+    token_ids: list[int]  # tokens at positions start_pos .. start_pos + len - 1
+    start_pos: int  # tokens already in the cache
+    block_ids: list[int]  # the request's whole block table
+    samples: bool  # the chunk reaches the request's last token, so its next token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {c.req_id: len(c.token_ids) for c in self.chunks}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    log_probs: Optional[TokenLogProbs] = None
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not out.preempted_req_ids:  # memory is short: let the running requests drain first
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the latest arrival; always after `request` or `request` itself
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.req_id)
+                if victim is request:
+                    return budget
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            request = self.waiting[0]
+            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                if not self.cfg.enable_chunked_prefill:
+                    return
+                num_new = budget
+            if not self.kv.allocate_slots(request, num_new, hit_ids):
+                return
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0 and request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.record(EventType.SCHEDULED)
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        tokens = [request.token_at(j) for j in range(start, start + num_new)]
+        return ScheduledChunk(request.req_id, tokens, start, list(self.kv.block_ids(request.req_id)),
+                              samples=start + num_new == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request, finished=False)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        request.record(EventType.PREEMPTED)
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens; finish those that stop.
+
+        Returns the requests that got a token or finished, in schedule order.
+        """
+        changed = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_blocks(request)
+            if not chunk.samples:
+                continue
+            token = sampled[chunk.req_id]
+            request.output_token_ids.append(token.token_id)
+            if token.log_probs is not None:
+                request.log_probs.append(token.log_probs)
+            status = request.check_stop(self.cfg.max_model_len)
+            if status is not None:
+                self.finish_request(request.req_id, status)
+            changed.append(request)
+        return changed
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Optional[Request]:
+        """Finish (stop, length, abort, fail) a request wherever it is and free its blocks."""
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request, finished=True)
+        request.status = status
+        kind = {RequestStatus.FINISHED_ABORTED: EventType.ABORTED,
+                RequestStatus.FINISHED_FAILED: EventType.FAILED}.get(status, EventType.FINISHED)
+        request.record(kind)
+        return request
+
+    def evict_all(self) -> list[Request]:
+        """Free every unfinished request's blocks and return them in arrival order (for suspend)."""
+        requests = sorted([*self.running, *self.waiting], key=lambda r: r.arrival_index)
+        for request in requests:
+            self.kv.free(request, finished=True)
+            request.num_computed_tokens = 0
+        self.running.clear()
+        self.waiting.clear()
+        return requests
