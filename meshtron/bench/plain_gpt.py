@@ -7,6 +7,7 @@ It imports nothing from meshtron's model code, so it measures what the framework
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Optional
@@ -85,19 +86,34 @@ class PlainGPT(nn.Module):
         return F.linear(h, self.embedding.weight if self.output is None else self.output.weight)
 
 
+# Model fields the baseline implements; every other model field (windows, sinks, QK-norm, MLA, MTP,
+# RoPE scaling, biases, dropout, ...) must keep its default, which is "off".
+PLAIN_MODEL_FIELDS = frozenset({
+    "layer_pattern", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "ffn_hidden_size", "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings",
+    "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "activation", "tie_word_embeddings",
+    "init_method_std", "scaled_init",
+})
+
+
 def check_plain_supports(cfg: RunConfig) -> None:
     """The baseline is minimal on purpose; a shape it cannot express is refused, never approximated."""
-    m = cfg.model
+    m, defaults = cfg.model, ModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        value, default = getattr(m, f.name), getattr(defaults, f.name)
+        if f.name not in PLAIN_MODEL_FIELDS and value != default:
+            raise ConfigError(f"model.{f.name}: {value!r} is not supported by the plain baseline; keep {default!r}")
     refusals = [
         ("model.layer_pattern", m.pattern != "*-" * m.num_layers, "leave it empty (alternating attention and MLP)"),
         ("model.activation", m.activation not in PLAIN_ACTIVATIONS, f"use one of: {', '.join(PLAIN_ACTIVATIONS)}"),
         ("model.position_embedding_type", m.position_embedding_type == "learned_absolute", "use rope or none"),
-        ("model.add_bias_linear", m.add_bias_linear or m.add_qkv_bias, "the baseline has no biases"),
-        ("model.hidden_dropout", m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout must be 0"),
         ("data.reset_attention_mask", cfg.data.reset_attention_mask or cfg.data.reset_position_ids,
          "the baseline trains plain causal sequences"),
         ("optimizer.type", cfg.optimizer.type != "adam" or not cfg.optimizer.decoupled_weight_decay,
          "the baseline uses AdamW (type adam, decoupled_weight_decay true)"),
+        ("parallel.compile", cfg.parallel.compile or cfg.parallel.activation_checkpoint != "none",
+         "the baseline runs eager without recompute (compile false, activation_checkpoint none)"),
+        ("train.init_from_hf", bool(cfg.train.init_from_hf), "the baseline starts from meshtron's own init"),
     ]
     for name, bad, allowed in refusals:
         if bad:

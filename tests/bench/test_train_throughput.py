@@ -11,7 +11,7 @@ from meshtron.bench.train_throughput import main
 from meshtron.config import config_from_dict
 from meshtron.models import count_parameters
 
-TINY_ARGS = [
+TINY_ARGS = [  # every knob the run depends on, so a change to the configs/ files cannot break this test
     "--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_attention_heads", "4",
     "--model.num_query_groups", "2", "--model.ffn_hidden_size", "64", "--data.seq_length", "32",
     "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
@@ -20,8 +20,9 @@ TINY_ARGS = [
 
 
 def test_benchmark_writes_json_with_matching_parameter_counts(tmp_path):
-    out = tmp_path / "bench.json"
-    assert main([*TINY_ARGS, "--output", str(out)]) == 0
+    config, out = tmp_path / "bytes.yaml", tmp_path / "bench.json"
+    config.write_text("tokenizer:\n  type: byte\n")  # raw stdlib sources: no data preparation
+    assert main([*TINY_ARGS, "--config", str(config), "--output", str(out)]) == 0
     data = json.loads(out.read_text())
 
     model_cfg = config_from_dict(data["config"]).model
@@ -42,6 +43,10 @@ def test_benchmark_writes_json_with_matching_parameter_counts(tmp_path):
     assert data["initial_loss"]["plain"] == pytest.approx(data["initial_loss"]["meshtron"], rel=1e-5)
 
 
-def test_bad_count_exits_2_without_running(capsys):
-    assert main(["--steps", "0"]) == 2
-    assert "--steps: 0 is not allowed" in capsys.readouterr().err
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps: 0 is not allowed"),
+    (["--model.qk_layernorm", "true"], "model.qk_layernorm: True is not supported by the plain baseline"),
+])
+def test_bad_input_exits_2_before_training(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
