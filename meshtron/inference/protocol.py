@@ -91,8 +91,9 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = None
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(o.num_prompt_tokens for o in {o.req_id: o for o in outputs}.values())
+def usage(outputs: list[RequestOutput], n: int = 1) -> dict[str, int]:
+    """Token counts; with n choices per prompt each prompt counts once (as OpenAI bills it)."""
+    prompt = sum(o.num_prompt_tokens for o in outputs[::n])
     completion = sum(len(o.token_ids) for o in outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

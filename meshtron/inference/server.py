@@ -12,7 +12,9 @@ then aborts what is left and stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import threading
 import time
 import uuid
@@ -166,7 +168,7 @@ def _install_completion_routes(app: FastAPI, state: ServerState) -> None:
                     "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]))}
                    for i, o in enumerate(outputs)]
         return _json(envelope("text_completion", response_id, engine.model_name, choices,
-                              {"usage": usage(outputs)}), response_id)
+                              {"usage": usage(outputs, body.n)}), response_id)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -196,7 +198,7 @@ def _install_completion_routes(app: FastAPI, state: ServerState) -> None:
                     "logprobs": chat_log_probs(engine.tokenizer, o.log_probs) if body.logprobs else None}
                    for i, o in enumerate(outputs)]
         return _json(envelope("chat.completion", response_id, engine.model_name, choices,
-                              {"usage": usage(outputs)}), response_id)
+                              {"usage": usage(outputs, body.n)}), response_id)
 
 
 class _Run:
@@ -277,7 +279,7 @@ async def _completion_chunks(run: _Run, body: CompletionRequest, response_id: st
     finally:
         await outputs.aclose()
     if body.include_usage():
-        yield envelope("text_completion", response_id, engine.model_name, [], {"usage": usage(run.final)})
+        yield envelope("text_completion", response_id, engine.model_name, [], {"usage": usage(run.final, body.n)})
 
 
 async def _chat_chunks(run: _Run, body: ChatCompletionRequest, response_id: str) -> AsyncIterator[dict]:
@@ -295,7 +297,7 @@ async def _chat_chunks(run: _Run, body: ChatCompletionRequest, response_id: str)
     finally:
         await outputs.aclose()
     if body.include_usage():
-        yield envelope("chat.completion.chunk", response_id, engine.model_name, [], {"usage": usage(run.final)})
+        yield envelope("chat.completion.chunk", response_id, engine.model_name, [], {"usage": usage(run.final, body.n)})
 
 
 def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
@@ -311,6 +313,19 @@ def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_t
             if state.status == "ready":
                 state.status = "draining"  # /health says 503 on connections still open
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal after shutting down; a completed drain exits 0 instead
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout_s)

@@ -67,3 +67,18 @@ def greedy_params(max_tokens: list[int]) -> list[SamplingParams]:
 
 def engine(model: GPTModel, **options) -> LLMEngine:
     return LLMEngine(model, TOKENIZER, EngineConfig(**options))
+
+
+def save_tiny_checkpoint(directory, kind: str = "gqa-rope", max_len: int = 96) -> str:
+    """A model-only checkpoint of `tiny_model(kind)` with a byte tokenizer, as the trainer would save it."""
+    import yaml
+
+    from meshtron.checkpoint import CheckpointManager
+    from meshtron.config.loader import config_to_dict
+    from meshtron.config.schema import RunConfig
+
+    model = tiny_model(kind, max_len=max_len)
+    cfg = RunConfig(model=model.cfg)
+    cfg.tokenizer.type = "byte"
+    CheckpointManager(directory).save(0, model, None, {"step": 0}, yaml.safe_dump(config_to_dict(cfg)))
+    return str(directory)
