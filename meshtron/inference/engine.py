@@ -34,9 +34,25 @@ from meshtron.inference.scheduler import Scheduler
 Prompt = Union[str, Sequence[int]]
 
 
+# Sublayers the engine can run: attention keeps keys/values in the paged cache; the others keep no
+# state between tokens. A mixer with state of its own (Mamba) needs state slots this engine lacks.
+SUPPORTED_SUBLAYERS = {"*": "attention", "-": "MLP", "E": "mixture of experts"}
+
+
+def check_supported(model: nn.Module) -> None:
+    from meshtron.config.fields import ConfigError
+
+    for layer in model.layers:
+        symbol = getattr(layer, "symbol", "?")
+        if symbol not in SUPPORTED_SUBLAYERS:
+            raise ConfigError(f"model.layer_pattern: the inference engine has no cache for sublayer '{symbol}'; "
+                              f"it runs {', '.join(f'{s!r} {n}' for s, n in SUPPORTED_SUBLAYERS.items())}")
+
+
 class LLMEngine:
     def __init__(self, model: nn.Module, tokenizer, config: Optional[EngineConfig] = None, *,
                  model_name: str = "meshtron"):
+        check_supported(model)
         self.tokenizer, self.model_name = tokenizer, model_name
         self.config = (config or EngineConfig()).resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model))
         self.device = next(model.parameters()).device

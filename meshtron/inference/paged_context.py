@@ -71,7 +71,11 @@ class PagedContext:
         k_cache, v_cache = self.cache.layer(layer_id, k, v)
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache.index_copy_(0, self.write_slots, new.transpose(1, 2).reshape(-1, *cache.shape[1:]))
-        return k_cache[self.key_slots].transpose(1, 2), v_cache[self.key_slots].transpose(1, 2)
+        # index_select copies whole (kv_heads, d) rows; advanced indexing goes element by element
+        flat, shape = self.key_slots.reshape(-1), self.key_slots.shape
+        k_all = k_cache.index_select(0, flat).view(*shape, *k_cache.shape[1:])
+        v_all = v_cache.index_select(0, flat).view(*shape, *v_cache.shape[1:])
+        return k_all.transpose(1, 2), v_all.transpose(1, 2)
 
     def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
         """Boolean (rows, 1, q, k): same sequence, causal, within the window; padding sees key 0."""

@@ -1,0 +1,16 @@
+"""Serving throughput and latency: meshtron's engine against transformers static batching and a naive loop.
+
+    python benchmarks/serve.py [--num-requests 256] [--batch-size 32] [--prompt-len 8 128] [--output-len 8 128]
+                               [--naive-requests N] [--skip engine static naive] [--output benchmarks/results/serve.json]
+"""
+
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing the package: the repository root holds `meshtron/`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshtron.bench.serve import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Serving throughput and latency: meshtron's engine against static batching and a naive loop.
+
+One seeded offline workload (every request arrives at t=0; prompt and output lengths drawn
+uniformly) runs through
+  (a) `LLMEngine` (continuous batching, paged KV cache, chunked prefill),
+  (b) Hugging Face `transformers` `generate` with static batches on the same weights, converted with
+      meshtron's own converter (left-padded batches; each batch runs until its longest request ends),
+  (c) a naive loop: one request at a time with a contiguous KV cache.
+Greedy decoding with eos ignored, so each request produces exactly its drawn number of tokens and
+every system does the same useful work; output tokens/s counts only those tokens. Per request:
+TTFT = first token time - arrival, TPOT = (finish - first token) / (tokens - 1); p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from meshtron.config.schema import ModelConfig
+from meshtron.models import GPTModel
+
+DEFAULT_OUTPUT = Path("benchmarks/results/serve.json")
+GOAL_RATIO = 3.0
+
+
+@dataclass
+class Timing:
+    first_token: float  # seconds after the workload started
+    finish: float
+    num_tokens: int
+
+
+def build_workload(num_requests: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                   vocab: int = 256) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts, outputs = [], []
+    for _ in range(num_requests):
+        n = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=g))
+        prompts.append(torch.randint(0, vocab, (n,), generator=g).tolist())
+        outputs.append(int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=g)))
+    return prompts, outputs
+
+
+def build_model(args: argparse.Namespace) -> GPTModel:
+    """A random Llama-shaped model (RMSNorm, SwiGLU, RoPE, untied), so the Llama converter applies."""
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
+                      ffn_hidden_size=args.ffn, max_position_embeddings=args.max_len, make_vocab_size_divisible_by=1,
+                      init_method_std=0.1)
+    return GPTModel(cfg, 262).eval()  # the byte tokenizer's vocabulary
+
+
+def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
+    ttft = [t.first_token for t in timings]
+    tpot = [(t.finish - t.first_token) / (t.num_tokens - 1) for t in timings if t.num_tokens > 1]
+    num_tokens = sum(t.num_tokens for t in timings)
+
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1e3
+
+    return {"system": name, "num_requests": len(timings), "output_tokens": num_tokens, "wall_s": wall,
+            "output_tokens_per_s": num_tokens / wall, "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+            "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99),
+            "ttft_mean_ms": statistics.fmean(ttft) * 1e3}
+
+
+def run_engine(model: GPTModel, prompts, outputs, args) -> tuple[list[Timing], float, list[list[int]]]:
+    from meshtron.data.tokenizer import ByteTokenizer
+    from meshtron.inference.config import EngineConfig
+    from meshtron.inference.engine import LLMEngine
+    from meshtron.inference.request import SamplingParams
+
+    engine = LLMEngine(model, ByteTokenizer(), EngineConfig(
+        device="cpu", max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=16, kv_cache_memory_mb=256))
+    start = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+           for p, m in zip(prompts, outputs)]
+    first: dict[str, float] = {}
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter() - start
+        for out in outs:
+            first.setdefault(out.req_id, now)
+            if out.finished:
+                done[out.req_id] = (now, out.token_ids)
+    wall = time.perf_counter() - start
+    timings = [Timing(first[i], done[i][0], len(done[i][1])) for i in ids]
+    return timings, wall, [done[i][1] for i in ids]
+
+
+class _StepClock:
+    """A logits processor that only notes when each generation step's logits are ready."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_static_hf(hf_dir: Path, prompts, outputs, args) -> tuple[list[Timing], float, list[list[int]]]:
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    timings: list[Optional[Timing]] = [None] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    start = time.perf_counter()
+    for lo in range(0, len(prompts), args.batch_size):
+        index = list(range(lo, min(lo + args.batch_size, len(prompts))))
+        width = max(len(prompts[i]) for i in index)
+        input_ids = torch.zeros(len(index), width, dtype=torch.long)
+        mask = torch.zeros(len(index), width, dtype=torch.long)
+        for row, i in enumerate(index):  # left padding: every prompt ends at the last column
+            input_ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        longest = max(outputs[i] for i in index)
+        clock = _StepClock()
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=longest,
+                                 min_new_tokens=longest, do_sample=False, logits_processor=LogitsProcessorList([clock]))
+        for row, i in enumerate(index):
+            n = outputs[i]
+            tokens[i] = out[row, width:width + n].tolist()
+            timings[i] = Timing(clock.times[0] - start, clock.times[n - 1] - start, n)
+    return timings, time.perf_counter() - start, tokens
+
+
+@torch.inference_mode()
+def run_naive(model: GPTModel, prompts, outputs) -> tuple[list[Timing], float, list[list[int]]]:
+    from meshtron.nn.context import KVCacheContext
+
+    timings, tokens = [], []
+    start = time.perf_counter()
+    for prompt, n in zip(prompts, outputs):
+        ctx = KVCacheContext(batch_size=1, max_len=len(prompt) + n)
+        x, out, first = torch.tensor([prompt]), [], 0.0
+        for k in range(n):
+            next_id = model(x, ctx.begin(x))[:, -1].argmax(-1)
+            ctx.advance()
+            out.append(int(next_id))
+            if k == 0:
+                first = time.perf_counter() - start
+            x = next_id[:, None]
+        timings.append(Timing(first, time.perf_counter() - start, n))
+        tokens.append(out)
+    return timings, time.perf_counter() - start, tokens
+
+
+def convert_to_hf(model: GPTModel, workdir: Path) -> Optional[Path]:
+    """Save a checkpoint and convert it with meshtron's converter; None without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    import yaml
+
+    from meshtron.checkpoint import CheckpointManager
+    from meshtron.config.loader import config_to_dict
+    from meshtron.config.schema import RunConfig
+    from meshtron.models.hf.convert import meshtron_to_hf
+
+    cfg = RunConfig(model=model.cfg)
+    cfg.tokenizer.type = "byte"
+    CheckpointManager(workdir / "ckpt").save(0, model, None, {"step": 0}, yaml.safe_dump(config_to_dict(cfg)))
+    meshtron_to_hf(workdir / "ckpt", workdir / "hf", architecture="LlamaForCausalLM")
+    return workdir / "hf"
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def print_table(results: list[dict[str, Any]], notes: list[str]) -> None:
+    print(f"{'system':<28}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+    for r in results:
+        print(f"{r['system']:<28}{r['output_tokens_per_s']:>9.0f}{r['wall_s']:>9.1f}{r['ttft_p50_ms']:>10.0f}"
+              f"{r['ttft_p99_ms']:>10.0f}{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>10.1f}")
+    print("(TTFT and TPOT in ms; every request arrives at t=0)")
+    for note in notes:
+        print(note)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--batch-size", type=int, default=32, help="static batch size = the engine's max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
+    p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
+    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive"])
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=str(DEFAULT_OUTPUT))
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prompts, outputs = build_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+    model = build_model(args)
+    results, notes, tokens = [], [], {}
+    if "engine" not in args.skip:
+        timings, wall, tokens["engine"] = run_engine(model, prompts, outputs, args)
+        results.append(summarize("meshtron engine", timings, wall))
+    if "static" not in args.skip:
+        with tempfile.TemporaryDirectory(prefix="meshtron-bench-serve-") as tmp:
+            hf_dir = convert_to_hf(model, Path(tmp))
+            if hf_dir is None:
+                notes.append("static batching skipped: transformers is not installed")
+            else:
+                timings, wall, tokens["static"] = run_static_hf(hf_dir, prompts, outputs, args)
+                results.append(summarize(f"transformers static b={args.batch_size}", timings, wall))
+    if "naive" not in args.skip:
+        n = args.naive_requests or len(prompts)
+        timings, wall, tokens["naive"] = run_naive(model, prompts[:n], outputs[:n])
+        results.append(summarize("naive one-at-a-time" + (f" (first {n})" if n < len(prompts) else ""), timings, wall))
+    by_name = {r["system"].split()[0]: r for r in results}
+    summary: dict[str, Any] = {}
+    if "meshtron" in by_name and "transformers" in by_name:
+        summary["engine_over_static"] = by_name["meshtron"]["output_tokens_per_s"] / by_name["transformers"]["output_tokens_per_s"]
+        notes.append(f"engine / static-batch throughput: {summary['engine_over_static']:.2f}x (goal >= {GOAL_RATIO:.0f}x)")
+    if "meshtron" in by_name and "naive" in by_name:
+        summary["engine_over_naive"] = by_name["meshtron"]["output_tokens_per_s"] / by_name["naive"]["output_tokens_per_s"]
+        notes.append(f"engine / naive throughput: {summary['engine_over_naive']:.2f}x")
+    for other in ("static", "naive"):
+        if "engine" in tokens and other in tokens:
+            k = len(tokens[other])
+            summary[f"greedy_agreement_engine_{other}"] = agreement(tokens["engine"][:k], tokens[other])
+            notes.append(f"requests with identical greedy tokens, engine vs {other}: "
+                         f"{summary[f'greedy_agreement_engine_{other}']:.0%}")
+    print_table(results, notes)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "machine": platform.platform(), "torch": torch.__version__,
+                               "results": results, "summary": summary}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
