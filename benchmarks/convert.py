@@ -4,10 +4,11 @@
                                  [--output benchmarks/results/convert.json]
 
 A random Llama-shaped model (~104M parameters, fp32, by default) is written straight to safetensors
-with a Llama config.json (transformers is not needed). Each measurement runs in a fresh process,
-which reports its own peak RSS (ru_maxrss) and the wall time of the conversion call; a process that
-only imports meshtron gives the baseline RSS subtracted in the table. Directions: hf-to-meshtron and
-meshtron-to-hf, each streaming and load-all (every tensor and a full model in memory first).
+with a Llama config.json (transformers is not needed). Each measurement runs in a fresh process:
+after the imports it notes its resident memory and resets the kernel's high-water mark
+(/proc/self/clear_refs), runs the conversion, and reports the wall time and the peak resident memory
+reached during the conversion above where it started. Directions: hf-to-meshtron and meshtron-to-hf,
+each streaming and load-all (every tensor and a full model in memory first).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -26,8 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-MODES = ("baseline", "hf-to-meshtron/streaming", "hf-to-meshtron/load-all", "meshtron-to-hf/streaming",
-         "meshtron-to-hf/load-all")
+MODES = ("hf-to-meshtron/streaming", "hf-to-meshtron/load-all", "meshtron-to-hf/streaming", "meshtron-to-hf/load-all")
 
 
 def write_random_llama(directory: Path, hidden: int, layers: int, ffn: int, vocab: int, heads: int) -> dict:
@@ -58,10 +57,19 @@ def write_random_llama(directory: Path, hidden: int, layers: int, ffn: int, voca
             "largest_tensor_bytes": max(s.nbytes for s in specs)}
 
 
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status (this benchmark needs Linux)")
+
+
 def run_mode(mode: str, hf_dir: str, ckpt: str, out: str) -> None:
-    """Child process: convert once, print {'seconds', 'peak_rss_bytes'} as JSON."""
+    """Child process: convert once, print {'seconds', 'start_rss_bytes', 'peak_rss_bytes'} as JSON."""
     from meshtron.models.hf.convert import hf_to_meshtron, meshtron_to_hf
 
+    start_rss = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS: imports do not count
     start = time.perf_counter()
     if mode == "hf-to-meshtron/streaming":
         hf_to_meshtron(hf_dir, ckpt, streaming=True)
@@ -72,8 +80,7 @@ def run_mode(mode: str, hf_dir: str, ckpt: str, out: str) -> None:
     elif mode == "meshtron-to-hf/load-all":
         meshtron_to_hf(ckpt, out, streaming=False)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-    print(json.dumps({"seconds": seconds, "peak_rss_bytes": peak}))
+    print(json.dumps({"seconds": seconds, "start_rss_bytes": start_rss, "peak_rss_bytes": _status_bytes("VmHWM")}))
 
 
 def measure(mode: str, hf_dir: Path, work: Path) -> dict:
@@ -89,10 +96,6 @@ def measure(mode: str, hf_dir: Path, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        if argv[1] == "baseline":
-            import meshtron.models.hf.convert  # noqa: F401  (imports only)
-            print(json.dumps({"seconds": 0.0, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-            return 0
         run_mode(*argv[1:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,28 +112,29 @@ def main(argv: list[str] | None = None) -> int:
         model = write_random_llama(work / "hf", args.hidden_size, args.layers, args.ffn, args.vocab, args.heads)
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for repeat in range(args.repeats):
-            order = MODES if repeat % 2 == 0 else (MODES[0], MODES[2], MODES[1], MODES[4], MODES[3])
+            order = MODES if repeat % 2 == 0 else (MODES[1], MODES[0], MODES[3], MODES[2])
             for mode in order:  # every hf-to-meshtron run leaves a checkpoint for the export runs after it
                 runs[mode].append(measure(mode, work / "hf", work))
-    baseline = statistics.median(r["peak_rss_bytes"] for r in runs["baseline"])
     summary = {}
-    for mode in MODES[1:]:
-        peak = statistics.median(r["peak_rss_bytes"] for r in runs[mode])
-        summary[mode] = {"seconds": statistics.median(r["seconds"] for r in runs[mode]), "peak_rss_bytes": peak,
-                         "peak_rss_above_baseline_bytes": peak - baseline}
+    for mode in MODES:
+        summary[mode] = {"seconds": statistics.median(r["seconds"] for r in runs[mode]),
+                         "start_rss_bytes": statistics.median(r["start_rss_bytes"] for r in runs[mode]),
+                         "peak_rss_above_start_bytes": statistics.median(r["peak_rss_bytes"] - r["start_rss_bytes"]
+                                                                         for r in runs[mode])}
     report = {"model": {**model, "hidden_size": args.hidden_size, "layers": args.layers, "ffn": args.ffn,
-                        "vocab": args.vocab}, "baseline_rss_bytes": baseline, "summary": summary, "runs": runs,
+                        "vocab": args.vocab}, "summary": summary, "runs": runs,
               "repeats": args.repeats, "python": platform.python_version(), "machine": platform.machine()}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     mib = 2**20
     print(f"model: {model['parameters'] / 1e6:.1f}M parameters, {model['bytes'] / mib:.0f} MiB fp32, "
-          f"largest tensor {model['largest_tensor_bytes'] / mib:.1f} MiB; baseline RSS {baseline / mib:.0f} MiB")
-    print(f"{'mode':28s} {'seconds':>8s} {'peak RSS MiB':>13s} {'above baseline':>15s} {'x largest tensor':>17s}")
+          f"largest tensor {model['largest_tensor_bytes'] / mib:.1f} MiB ({args.repeats} runs each, medians)")
+    print(f"{'mode':28s} {'seconds':>8s} {'RSS at start MiB':>17s} {'peak above start MiB':>21s} "
+          f"{'x largest tensor':>17s} {'x model':>8s}")
     for mode, row in summary.items():
-        above = row["peak_rss_above_baseline_bytes"]
-        print(f"{mode:28s} {row['seconds']:8.2f} {row['peak_rss_bytes'] / mib:13.0f} {above / mib:15.0f} "
-              f"{above / model['largest_tensor_bytes']:17.1f}")
+        above = row["peak_rss_above_start_bytes"]
+        print(f"{mode:28s} {row['seconds']:8.2f} {row['start_rss_bytes'] / mib:17.0f} {above / mib:21.0f} "
+              f"{above / model['largest_tensor_bytes']:17.1f} {above / model['bytes']:8.2f}")
     print(f"wrote {args.output}")
     return 0
 

@@ -65,7 +65,8 @@ def cmd_meshtron_to_hf(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Add `convert hf-to-meshtron` and `convert meshtron-to-hf` to an argparse subparsers object."""
     convert = subparsers.add_parser("convert", help="convert checkpoints to and from Hugging Face safetensors")
-    convert_sub = convert.add_subparsers(dest="convert_command", required=True)
+    # nested parsers of the same class, so usage errors stay one line like the rest of the CLI
+    convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=type(convert))
 
     to_ours = convert_sub.add_parser("hf-to-meshtron", help="a Hugging Face model directory -> a meshtron checkpoint")
     to_ours.add_argument("--hf-dir", required=True, metavar="DIR", help="directory with config.json and safetensors")

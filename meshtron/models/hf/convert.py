@@ -100,7 +100,8 @@ class _PartSource:
         part = m.to_meshtron(self._cached[1], sizes)[i]
         if i == len(m.parts) - 1:
             self._cached = (None, None)
-        return part.to(torch.float32).contiguous().clone()
+        # a view into a fused HF tensor is compacted by the DCP writer; a whole fp32 tensor is used as is
+        return part.to(torch.float32)
 
 
 def converted_run_config(model_cfg: ModelConfig, tokenizer_dir: Optional[Path]) -> RunConfig:
