@@ -113,6 +113,7 @@ class Run:
     impl: str  # "meshtron" or "plain"
     position: int  # 0 when this loop ran first in its repeat
     seconds: float  # wall time of the timed steps
+    cpu_seconds: float  # CPU time of all this process's threads over the same steps
     tokens_per_s: float
     mfu: float
     step_ms: float
@@ -138,17 +139,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(step: Callable[[int], Any], num_warmup: int, num_steps: int, device: torch.device) -> tuple[float, Any]:
-    """Run `step(i)` for the warm-up then the timed steps; return (seconds of the timed ones, last output)."""
+def timed_steps(step: Callable[[int], Any], num_warmup: int, num_steps: int,
+                device: torch.device) -> tuple[tuple[float, float], Any]:
+    """Run `step(i)` for the warm-up then the timed steps; return ((wall, CPU) seconds of the timed ones,
+    last output). CPU time hardly grows when other processes share the cores; wall time does."""
     out = None
     for i in range(num_warmup):
         out = step(i)
     synchronize(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(num_warmup, num_warmup + num_steps):
         out = step(i)
     synchronize(device)
-    return time.perf_counter() - t0, out
+    return (time.perf_counter() - t0, time.process_time() - c0), out
 
 
 def peek_batches(trainer: Trainer, count: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -159,8 +162,8 @@ def peek_batches(trainer: Trainer, count: int) -> list[list[dict[str, torch.Tens
     return batches
 
 
-def run_meshtron(s: Setup) -> tuple[float, float, float]:
-    """(seconds, data seconds, last loss) of `trainer.train_step(trainer.loader.next_global_batch())`."""
+def run_meshtron(s: Setup) -> tuple[tuple[float, float], float, float]:
+    """((wall, CPU) seconds, data seconds, last loss) of `trainer.train_step(trainer.loader.next_global_batch())`."""
     data_times: list[float] = []
 
     def step(i: int) -> float:
@@ -169,13 +172,13 @@ def run_meshtron(s: Setup) -> tuple[float, float, float]:
         data_times.append(time.perf_counter() - t0)
         return s.trainer.train_step(batch).loss
 
-    seconds, loss = timed_steps(step, s.num_warmup, s.num_steps, s.device)
-    return seconds, sum(data_times[s.num_warmup:]), loss
+    times, loss = timed_steps(step, s.num_warmup, s.num_steps, s.device)
+    return times, sum(data_times[s.num_warmup:]), loss
 
 
-def run_plain(s: Setup, batches: list) -> tuple[float, float, float]:
-    seconds, loss = timed_steps(lambda i: s.plain.train_step(batches[i]), s.num_warmup, s.num_steps, s.device)
-    return seconds, 0.0, float(loss)
+def run_plain(s: Setup, batches: list) -> tuple[tuple[float, float], float, float]:
+    times, loss = timed_steps(lambda i: s.plain.train_step(batches[i]), s.num_warmup, s.num_steps, s.device)
+    return times, 0.0, float(loss)
 
 
 def run_repeat(s: Setup, repeat: int) -> list[Run]:
@@ -185,10 +188,10 @@ def run_repeat(s: Setup, repeat: int) -> list[Run]:
     for position, impl in enumerate(order):
         if s.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(s.device)
-        seconds, data_s, loss = run_meshtron(s) if impl == "meshtron" else run_plain(s, batches)
+        (seconds, cpu_seconds), data_s, loss = run_meshtron(s) if impl == "meshtron" else run_plain(s, batches)
         tokens_per_s = s.tokens_per_step * s.num_steps / seconds
         memory = torch.cuda.max_memory_allocated(s.device) / 2**30 if s.device.type == "cuda" else None
-        runs.append(Run(repeat, impl, position, seconds, tokens_per_s, s.flops_per_token * tokens_per_s / s.peak_flops,
+        runs.append(Run(repeat, impl, position, seconds, cpu_seconds, tokens_per_s, s.flops_per_token * tokens_per_s / s.peak_flops,
                         1e3 * seconds / s.num_steps, 1e3 * data_s / s.num_steps, loss, memory))
     return runs
 
@@ -211,10 +214,11 @@ def initial_losses(s: Setup) -> dict[str, float]:
 def summarize(runs: list[Run]) -> dict[str, Any]:
     medians = {impl: {k: statistics.median(getattr(r, k) for r in runs if r.impl == impl)
                       for k in ("tokens_per_s", "mfu", "step_ms", "data_ms")} for impl in ("meshtron", "plain")}
-    per_repeat = {r.repeat: {} for r in runs}
+    pairs: dict[int, dict[str, Run]] = {r.repeat: {} for r in runs}
     for r in runs:
-        per_repeat[r.repeat][r.impl] = r.tokens_per_s
-    ratios = [v["meshtron"] / v["plain"] for v in per_repeat.values()]
+        pairs[r.repeat][r.impl] = r
+    ratios = [p["meshtron"].tokens_per_s / p["plain"].tokens_per_s for p in pairs.values()]
+    cpu_ratios = [p["plain"].cpu_seconds / p["meshtron"].cpu_seconds for p in pairs.values()]  # same tokens each
     median_ratio = statistics.median(ratios)
     # Load from other processes only ever slows a run down, so the best run of each is a second,
     # noise-robust view next to the medians.
@@ -222,7 +226,8 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
     return {"median": medians, "best_tokens_per_s": best, "ratio": {
         "per_repeat": ratios, "median": median_ratio, "goal": GOAL_RATIO, "meets_goal": median_ratio >= GOAL_RATIO,
         "of_medians": medians["meshtron"]["tokens_per_s"] / medians["plain"]["tokens_per_s"],
-        "of_best": best["meshtron"] / best["plain"]}}
+        "of_best": best["meshtron"] / best["plain"],
+        "cpu_time_per_repeat": cpu_ratios, "cpu_time_median": statistics.median(cpu_ratios)}}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -258,6 +263,9 @@ def print_table(s: Setup, args: argparse.Namespace, runs: list[Run], summary: di
           f"  {ratio['median']:>6.3f}  (goal >= {GOAL_RATIO}: {verdict})")
     best = summary["best_tokens_per_s"]
     print(f"{'best':>6}  {'':<8}  {best['meshtron']:>14,.0f}  {best['plain']:>12,.0f}  {ratio['of_best']:>6.3f}")
+    if s.device.type == "cpu":
+        print(f"{'cpu-time':>6}  {'':<8}  {'':>14}  {'':>12}  {ratio['cpu_time_median']:>6.3f}"
+              "  (median ratio of CPU seconds: steadier when other processes load the cores)")
     print(f"{'MFU':>6}  {'':<8}  {100 * med['meshtron']['mfu']:>13.2f}%  {100 * med['plain']['mfu']:>11.2f}%")
     print(f"{'ms/step':>6}  {'':<8}  {med['meshtron']['step_ms']:>14.1f}  {med['plain']['step_ms']:>12.1f}"
           f"  (meshtron loader {med['meshtron']['data_ms']:.2f} ms/step)")
