@@ -1,0 +1,258 @@
+"""Pipeline parallelism over the `pp` mesh axis with `torch.distributed.pipelining` schedules.
+
+The layer pattern is split into S = pp x pp_virtual_stages stages (pipeline_stages.py). Each step's
+m micro-batches flow through them: stage s receives hidden states of micro-batch i from stage s-1,
+runs its sublayers, sends the result on; the last stage computes the loss, and gradients of the
+hidden states flow back the same way. The schedule decides the order of these forwards (F) and
+backwards (B, or I + W when zero-bubble splits input and weight gradients):
+    gpipe             all F, then all B (bubble (pp-1)/m, every activation held at once)
+    1f1b              pp-rank warm-up of F, then alternate one F and one B (same bubble, fewer activations)
+    interleaved_1f1b  v > 1 chunks per rank, placed round-robin: bubble (pp-1)/(v*m)
+    zero_bubble       B split into I (input gradient, on the critical path) and W (weight gradient,
+                      fills the bubbles): ZB-V with 2 chunks per rank in a V, else interleaved ZB1P
+Evaluation runs forward only, stage by stage (pipeline_eval.py), for any placement and count.
+Loss: the last stage returns per-micro-batch (sum of token losses) / (global number of loss tokens of
+the step), and the schedule does not rescale gradients, so the accumulated gradient equals the
+non-pipelined run's. The loss sum is broadcast from the last stage's rank to the whole pp group.
+With tensor parallelism and loss_parallel the logits stay vocabulary-sharded DTensors; the schedule
+runs inside `loss_parallel()` so both the cross-entropy and its backward reduce across tp ranks.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from meshtron.config.fields import ConfigError
+from meshtron.config.schema import RunConfig
+from meshtron.nn.loss import masked_cross_entropy
+from meshtron.parallel.dims import NamedMesh, ParallelDims
+from meshtron.parallel.pipeline_eval import forward_only
+from meshtron.parallel.pipeline_stages import (
+    PipelineStageModule,
+    build_stage_modules,
+    rank_of_stage,
+    split_layers,
+    stages_of_rank,
+)
+
+
+def schedule_class(name: str, virtual_stages: int) -> tuple[type, str]:
+    """(torch schedule class, stage placement style) of `parallel.pp_schedule`."""
+    if name == "gpipe":
+        return ScheduleGPipe, "loop"
+    if name == "1f1b":
+        return Schedule1F1B, "loop"
+    if name == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B, "loop"
+    if virtual_stages == 2:
+        return ScheduleZBVZeroBubble, "v"
+    return ScheduleInterleavedZeroBubble, "loop"
+
+
+def num_micro_batches(cfg: RunConfig, dims: ParallelDims) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)
+
+
+def check_pipeline_config(cfg: RunConfig, dims: ParallelDims) -> None:
+    """One-line ConfigErrors for what the pipeline cannot run (the split is checked by split_layers)."""
+    p, m = cfg.parallel, num_micro_batches(cfg, dims)
+    v = p.pp_virtual_stages
+    if cfg.model.tie_word_embeddings:
+        raise ConfigError("model.tie_word_embeddings: tied embeddings are not supported with parallel.pp > 1 (the "
+                          "embedding and the head are on different stages); set it false or parallel.pp 1")
+    if dims.cp > 1:
+        raise ConfigError("parallel.cp: context parallelism together with parallel.pp > 1 is not supported yet; "
+                          "set parallel.cp 1 or parallel.pp 1")
+    if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
+        raise ConfigError(f"parallel.pp_virtual_stages: {v} is not allowed with pp_schedule {p.pp_schedule} (one stage "
+                          "per rank); set it to 1 or use pp_schedule interleaved_1f1b or zero_bubble")
+    if p.pp_schedule == "1f1b" and m < p.pp:
+        raise ConfigError(f"train.global_batch_size: 1f1b needs at least pp={p.pp} micro-batches per step, got {m} "
+                          "(global_batch_size / (micro_batch_size * dp)); raise global_batch_size or use gpipe")
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and not (p.pp_schedule == "zero_bubble" and v == 2):
+        rounds = max(1, m // p.pp)
+        if m % rounds:
+            raise ConfigError(f"train.global_batch_size: {p.pp_schedule} needs the {m} micro-batches per step to be a "
+                              f"multiple of {rounds} (micro-batches // pp); make it a multiple of parallel.pp={p.pp}")
+    if p.pp_schedule == "zero_bubble" and p.compile:
+        raise ConfigError("parallel.compile: the zero_bubble schedule splits the backward, which torch.compile does "
+                          "not support; set parallel.compile false or use another pp_schedule")
+
+
+class Pipeline:
+    """This rank's stages and the schedules that run them (built on first use, after TP/FSDP have
+    been applied to `parts` in place)."""
+
+    def __init__(self, parts: list[PipelineStageModule], stage_ids: list[int], num_stages: int, style: str,
+                 mesh: NamedMesh, cfg: RunConfig, device: torch.device):
+        self.parts, self.stage_ids, self.num_stages = parts, stage_ids, num_stages
+        self.cfg, self.device = cfg, device
+        self.group = mesh["pp"].get_group()
+        pp = mesh["pp"].size()
+        self.rank_of = lambda stage: rank_of_stage(stage, pp, num_stages, style)  # rank in the pp group
+        self.has_last = (num_stages - 1) in stage_ids
+        self.schedule_class, _ = schedule_class(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages)
+        self.loss_parallel = mesh["tp"].size() > 1 and cfg.parallel.loss_parallel
+        self._schedules: dict[int, Any] = {}
+        # set per step, read by the loss function on the last stage
+        self._batches: list[dict[str, torch.Tensor]] = []
+        self._loss_scale, self._inject_nan = 1.0, False
+        self._loss_sums: dict[int, torch.Tensor] = {}
+
+    # ---- the two entry points the trainer calls -----------------------------------------------
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], total_tokens: float,
+                   inject_nan: bool = False) -> float:
+        """Forward and backward of every micro-batch; gradients accumulate into the parameters.
+        Returns the sum of token losses of these micro-batches, the same on every pp rank."""
+        self._begin(micro_batches, 1.0 / max(total_tokens, 1.0), inject_nan)
+        schedule = self._schedule(len(micro_batches))
+        args, kwargs, target = self._schedule_inputs(micro_batches)
+        with self._contexts():
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        loss_sum = self._broadcast_loss_sum(len(micro_batches))
+        self._batches = []
+        return loss_sum
+
+    def eval_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """Forward only: (sum of token losses, number of loss tokens) of `batches`, same on every pp rank."""
+        self._begin(batches, 1.0, False)
+        with torch.no_grad(), self._contexts():
+            forward_only(self.parts, self.stage_ids, self.num_stages, self.rank_of, self.group, self.device, batches,
+                         _stage_kwargs, self._micro_batch_loss)
+        _reshard(self.parts)  # FSDP parameters kept gathered by forward (zero-bubble, ZeRO-2) are freed
+        num_tokens = sum(float(mb["loss_mask"].sum()) for mb in batches)
+        loss_sum = self._broadcast_loss_sum(len(batches))
+        self._batches = []
+        return loss_sum, num_tokens
+
+    # ---- pieces ---------------------------------------------------------------------------------
+
+    def _begin(self, batches: list[dict[str, torch.Tensor]], loss_scale: float, inject_nan: bool) -> None:
+        self._batches, self._loss_scale, self._inject_nan = batches, loss_scale, inject_nan
+        self._loss_sums = {}
+
+    def _schedule(self, n: int):
+        """The training schedule for n micro-batches, with its own PipelineStage objects (a stage's
+        buffers are shaped for one schedule's micro-batch count)."""
+        if n not in self._schedules:
+            stages = [PipelineStage(part, s, self.num_stages, self.device, group=self.group)
+                      for part, s in zip(self.parts, self.stage_ids)]
+            cls = self.schedule_class
+            if cls in _ZERO_BUBBLE:
+                _keep_gathered_until_backward(self.parts)
+            stage_arg = stages if cls in _MULTI else stages[0]
+            self._schedules[n] = cls(stage_arg, n, loss_fn=self._loss_fn, scale_grads=False)
+        return self._schedules[n]
+
+    def _schedule_inputs(self, batches: list[dict[str, torch.Tensor]]):
+        """Whole-step tensors that the schedule splits back into `batches` along dim 0: tokens for
+        the first stage, positions (and document ids) for every stage, and as the loss target the
+        micro-batch index, with which the loss function finds its labels and loss mask."""
+        tokens = torch.cat([mb["input_ids"] for mb in batches])
+        per_batch = [_stage_kwargs(mb) for mb in batches]
+        kwargs = {k: torch.cat([kw[k] for kw in per_batch]) for k in per_batch[0]}
+        args = (tokens,) if 0 in self.stage_ids else ()
+        target = torch.arange(len(batches), device=tokens.device)
+        return args, kwargs, target
+
+    def _loss_fn(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: `index` holds the micro-batch index (the target we gave it). Also
+        called once by the stage's shape inference (index 0, overwritten by the real call)."""
+        return self._micro_batch_loss(logits, int(index.reshape(-1)[0]))
+
+    def _micro_batch_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """(sum of token losses) * scale of micro-batch i; the unscaled sum is kept for reporting."""
+        mb = self._batches[i]
+        if self.loss_parallel:
+            from meshtron.parallel.loss import vocab_parallel_cross_entropy
+
+            loss, _ = vocab_parallel_cross_entropy(logits, mb["labels"], mb["loss_mask"])
+        else:
+            loss, _ = masked_cross_entropy(logits, mb["labels"], mb["loss_mask"])
+        if i == 0 and self._inject_nan:
+            loss = loss * float("nan")
+        self._loss_sums[i] = loss.detach()
+        return loss * self._loss_scale
+
+    def _broadcast_loss_sum(self, n: int) -> float:
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.has_last:
+            assert sorted(self._loss_sums) == list(range(n)), "the schedule skipped a micro-batch's loss"
+            value += sum(self._loss_sums[i].double() for i in range(n))
+        dist.broadcast(value, group=self.group, group_src=self.rank_of(self.num_stages - 1))
+        return float(value)
+
+    def _contexts(self) -> ExitStack:
+        """bf16 autocast like the non-pipelined forward; loss_parallel around forward and backward."""
+        stack = ExitStack()
+        if self.cfg.train.precision == "bf16":
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        if self.loss_parallel:
+            from meshtron.parallel.loss import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        return stack
+
+
+_ZERO_BUBBLE = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+_MULTI = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+
+
+def _reshard(parts: list[nn.Module]) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def _keep_gathered_until_backward(parts: list[nn.Module]) -> None:
+    """Zero-bubble's input-gradient pass finds the weights of the autograd graph through the module's
+    registered parameters; FSDP registers the sharded ones again after a resharding forward, and those
+    weights' gradients would be lost. So under zero-bubble FSDP keeps parameters gathered from forward
+    to backward (ZeRO-2 within the step; the schedule's final gradient reduction reshards them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part.set_reshard_after_forward(False, recurse=True)
+
+
+def _stage_kwargs(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keyword inputs of every stage for one micro-batch: (batch, seq) positions, the sample's own
+    (restarted at document starts) or 0..seq-1, and the document ids of packed samples."""
+    positions = mb.get("position_ids")
+    if positions is None:
+        batch, seq = mb["input_ids"].shape
+        positions = torch.arange(seq, device=mb["input_ids"].device).expand(batch, seq).contiguous()
+    if mb.get("document_ids") is None:
+        return {"positions": positions}
+    return {"positions": positions, "document_ids": mb["document_ids"]}
+
+
+def build_pipeline(model: nn.Module, mesh: NamedMesh, dims: ParallelDims, cfg: RunConfig,
+                   device: torch.device) -> Pipeline:
+    """Split `model` (built identically on every rank) into stages and keep this rank's."""
+    p = cfg.parallel
+    check_pipeline_config(cfg, dims)
+    num_stages = dims.pp * p.pp_virtual_stages
+    ranges = split_layers(len(cfg.model.pattern), num_stages, p.pp_first_stage_sublayers, p.pp_last_stage_sublayers)
+    _, style = schedule_class(p.pp_schedule, p.pp_virtual_stages)
+    stage_ids = stages_of_rank(mesh["pp"].get_local_rank(), dims.pp, num_stages, style)
+    parts = build_stage_modules(model, ranges, stage_ids)
+    return Pipeline(parts, stage_ids, num_stages, style, mesh, cfg, device)
