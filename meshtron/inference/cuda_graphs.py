@@ -23,7 +23,7 @@ from meshtron.inference.config import EngineConfig
 from meshtron.inference.paged_context import PagedContext, PagedKVCache, build_paged_batch
 from meshtron.inference.scheduler import ScheduledChunk
 
-STATIC_FIELDS = ("positions", "write_slots", "key_slots", "key_positions", "key_seq", "query_seq")
+STATIC_FIELDS = ("positions", "write_slots", "key_blocks", "key_positions", "key_seq", "query_seq")
 
 
 def is_decode_only(chunks: list[ScheduledChunk]) -> bool:
@@ -39,14 +39,14 @@ def bucket_for(num_requests: int, buckets: tuple[int, ...]) -> Optional[int]:
 class _Graph:
     """One captured forward: static inputs (a PagedContext over fixed buffers) and its logits."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, num_rows: int, num_keys: int, pool):
+    def __init__(self, model: nn.Module, cache: PagedKVCache, num_rows: int, num_key_blocks: int, pool):
         device = cache.device
         self.tokens = torch.zeros(num_rows, 1, dtype=torch.long, device=device)
-        scratch = cache.scratch_slot
+        num_keys = num_key_blocks * cache.block_size
         self.ctx = PagedContext(
             positions=torch.zeros(num_rows, 1, dtype=torch.long, device=device),
-            write_slots=torch.full((num_rows,), scratch, dtype=torch.long, device=device),
-            key_slots=torch.full((num_rows, num_keys), scratch, dtype=torch.long, device=device),
+            write_slots=torch.full((num_rows,), cache.scratch_slot, dtype=torch.long, device=device),
+            key_blocks=torch.full((num_rows, num_key_blocks), cache.scratch_block, dtype=torch.long, device=device),
             key_positions=torch.zeros(num_rows, num_keys, dtype=torch.long, device=device),
             key_seq=torch.full((num_rows, num_keys), -1, dtype=torch.long, device=device),
             query_seq=torch.full((num_rows, 1), -1, dtype=torch.long, device=device), cache=cache)
@@ -74,7 +74,7 @@ class CudaGraphRunner:
     def __init__(self, model: nn.Module, cache: PagedKVCache, cfg: EngineConfig):
         self.model, self.cache = model, cache
         self.buckets = tuple(sorted(set(cfg.cuda_graph_batch_sizes)))
-        self.num_keys = -(-cfg.max_model_len // cfg.block_size) * cfg.block_size
+        self.num_key_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
@@ -94,8 +94,8 @@ class CudaGraphRunner:
         if bucket not in self.graphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            self.graphs[bucket] = _Graph(self.model, self.cache, bucket, self.num_keys, self.pool)
-        batch = build_paged_batch(chunks, self.cache, "padded", num_rows=bucket, num_keys=self.num_keys)
+            self.graphs[bucket] = _Graph(self.model, self.cache, bucket, self.num_key_blocks, self.pool)
+        batch = build_paged_batch(chunks, self.cache, "padded", num_rows=bucket, num_key_blocks=self.num_key_blocks)
         logits = self.graphs[bucket].replay(batch.tokens, batch.ctx)
         return logits[: len(chunks)], batch.sample_req_ids
 

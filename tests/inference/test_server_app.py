@@ -110,3 +110,12 @@ def test_fallback_chat_template_stops_at_end_marker(ready_client):
                                                         "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200 and "<|im_end|>" not in r.json()["choices"][0]["message"]["content"]
     assert TOKENIZER.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n") != []
+
+
+def test_tokenizer_chat_template_is_rendered():
+    from meshtron.inference.chat_template import render_chat
+
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    text, stops = render_chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], template, TOKENIZER)
+    assert text == "[user]hi[assistant]" and stops == ()
