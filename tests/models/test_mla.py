@@ -11,7 +11,7 @@ from meshtron.config import ModelConfig
 from meshtron.models import GPTModel
 from meshtron.nn.context import PackedContext
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")  # rope_parameters, dtype=
 
 LAYERS = 2
 

@@ -86,7 +86,7 @@ def test_llama3_frequencies_closed_form():
 
 
 def test_frequencies_match_transformers():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", minversion="5.0")  # rope_parameters
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
