@@ -1,7 +1,8 @@
 """Hugging Face interop for dense models: config and tensor adapters per family (Llama, Mistral, Qwen2,
 Qwen3, GPT-2), streaming safetensors <-> meshtron checkpoint conversion, and `train.init_from_hf`.
 
-Only `safetensors` is needed to convert; `transformers` is used by the tests as the reference.
+Conversion reads and writes safetensors itself (no optional package); `transformers` and `safetensors`
+(the `hf` extra) serve the tests as the reference.
 """
 
 from meshtron.models.hf.adapter import ConversionError, adapter_by_name, adapter_for_hf, supported_architectures

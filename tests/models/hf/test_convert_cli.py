@@ -52,6 +52,10 @@ def test_cli_round_trip_with_tokenizer_and_generate(hf_dirs, tmp_path, capsys):
     original, back = read_safetensors(hf_dir), read_safetensors(tmp_path / "out")
     assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
     assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+    # the sharded export (with its index) reads back into the same meshtron weights
+    again = load_meshtron(hf_to_meshtron(tmp_path / "out", tmp_path / "ckpt2")).state_dict()
+    first = load_meshtron(tmp_path / "ckpt").state_dict()
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
 
 
 def expect_one_line(capsys, argv, *fragments):
