@@ -2,9 +2,10 @@
 gloo ranks and compared with `meshtron plan`'s estimate from the config alone.
 
 Per rank we measure the local parameter bytes (DTensor shards), the gradient bytes just before the
-optimizer step, the optimizer-state bytes after a step, the activation bytes of one micro-batch
-(distinct storages autograd saves during a real training step, divided by the local micro-batches),
-and the median step time after warm-up. Every rank runs one thread (the fork-safe launcher's rule).
+optimizer step, the optimizer-state bytes after the steps, the activation bytes of one micro-batch
+(distinct storages autograd saves during a training step after warm-up, divided by the local
+micro-batches), and the median time of the steps after that. Every rank runs one thread (the
+fork-safe launcher's rule), so on a 2-core machine layouts of 4 ranks share 2 cores.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _record_grad_bytes(trainer, out: dict[str, int]) -> None:
 
 def measure_layout(rank: int, world_size: int, config: Optional[str], overrides: dict[str, str],
                    warmup: int, steps: int) -> dict[str, Any]:
-    """Train warm-up + timed steps, then one step under the saved-tensor counter; report bytes and times."""
+    """`warmup` untimed steps, one untimed step under the saved-tensor counter (after warm-up: the
+    pipeline's first step also runs shape inference), then `steps` timed ones; report bytes and times."""
     import resource
 
     import torch
@@ -84,18 +86,21 @@ def measure_layout(rank: int, world_size: int, config: Optional[str], overrides:
     from meshtron.training import Trainer
 
     trainer = Trainer(load_config(config, overrides, world_size=world_size), echo=False)
-    times = []
-    for _ in range(warmup + steps):
-        batch = trainer.loader.next_global_batch()
-        t0 = time.perf_counter()
-        trainer.train_step(batch)
-        times.append(time.perf_counter() - t0)
-    result: dict[str, Any] = {"rank": rank, "step_s": times[warmup:]}
+    result: dict[str, Any] = {"rank": rank}
+    for _ in range(warmup):
+        trainer.train_step(trainer.loader.next_global_batch())
     _record_grad_bytes(trainer, result)
     batch = trainer.loader.next_global_batch()
     with SavedTensorCounter(trainer.model) as counter:
         trainer.train_step(batch)
         result["activation_bytes_per_microbatch"] = counter.total // len(batch)
+    times = []
+    for _ in range(steps):
+        batch = trainer.loader.next_global_batch()
+        t0 = time.perf_counter()
+        trainer.train_step(batch)
+        times.append(time.perf_counter() - t0)
+    result["step_s"] = times
     result["stage"] = trainer.mesh["pp"].get_local_rank() if trainer.mesh is not None else 0
     result["param_bytes"] = sum(_nbytes(p) for p in trainer.model.parameters())
     result["optimizer_bytes"] = sum(_nbytes(v) for state in trainer.optimizer.state.values()
@@ -112,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "model on gloo ranks, against `meshtron plan`'s estimate.")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per layout (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps before the measured step and the timed ones (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per layout (default 600)")
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help=f"JSON results file (default {DEFAULT_OUTPUT})")
     add_config_arguments(parser)
@@ -227,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"parallel memory: {num_params / 1e6:.1f}M parameters ({cfg.model.num_layers} layers x "
           f"{cfg.model.hidden_size}, {cfg.model.num_attention_heads} heads, ffn {cfg.model.ffn_size} "
           f"{cfg.model.activation}); micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_length}, global "
-          f"batch {cfg.train.global_batch_size}; {args.warmup} warm-up + {args.steps} timed steps; 1 thread per rank")
+          f"batch {cfg.train.global_batch_size}; {args.warmup} warm-up + 1 measured + {args.steps} timed steps; "
+          "1 thread per rank")
     entries = []
     for name in names:
         entry = run_layout(name, args, base)

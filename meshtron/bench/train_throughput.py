@@ -142,7 +142,8 @@ def synchronize(device: torch.device) -> None:
 def timed_steps(step: Callable[[int], Any], num_warmup: int, num_steps: int,
                 device: torch.device) -> tuple[tuple[float, float], Any]:
     """Run `step(i)` for the warm-up then the timed steps; return ((wall, CPU) seconds of the timed ones,
-    last output). CPU time hardly grows when other processes share the cores; wall time does."""
+    last output). With one thread, CPU time hardly grows when other processes share the cores; wall
+    time does (with several, OpenMP threads spin while they wait for each other, so both grow)."""
     out = None
     for i in range(num_warmup):
         out = step(i)
@@ -265,7 +266,7 @@ def print_table(s: Setup, args: argparse.Namespace, runs: list[Run], summary: di
     print(f"{'best':>6}  {'':<8}  {best['meshtron']:>14,.0f}  {best['plain']:>12,.0f}  {ratio['of_best']:>6.3f}")
     if s.device.type == "cpu":
         print(f"{'cpu-time':>6}  {'':<8}  {'':>14}  {'':>12}  {ratio['cpu_time_median']:>6.3f}"
-              "  (median ratio of CPU seconds: steadier when other processes load the cores)")
+              "  (median ratio of CPU seconds; steady under other load with --train.num_threads 1)")
     print(f"{'MFU':>6}  {'':<8}  {100 * med['meshtron']['mfu']:>13.2f}%  {100 * med['plain']['mfu']:>11.2f}%")
     print(f"{'ms/step':>6}  {'':<8}  {med['meshtron']['step_ms']:>14.1f}  {med['plain']['step_ms']:>12.1f}"
           f"  (meshtron loader {med['meshtron']['data_ms']:.2f} ms/step)")
@@ -291,6 +292,8 @@ def build_setup(args: argparse.Namespace) -> tuple[Setup, dict[str, Any]]:
     if device.type == "cpu" and cfg.train.precision == "bf16":
         print("warning: bf16 on CPU runs matmuls ~400x slower than fp32; MFU is against the fp32 peak",
               file=sys.stderr)
+    if cfg.train.num_threads is not None:  # measure the peak with the threads the steps will use
+        torch.set_num_threads(cfg.train.num_threads)
     peak, peak_source = resolve_peak(cfg, device, args.peak_flops)
     cfg.train.peak_flops = peak  # the trainer must not measure again
     trainer = Trainer(cfg, echo=False)
