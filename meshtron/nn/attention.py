@@ -51,7 +51,8 @@ class Attention(nn.Module):
             return None
         if self.sinks is None:
             return q.new_zeros(q.shape[1], dtype=torch.float32)
-        return self.sinks
+        # Under tensor parallelism the sinks are split by head like the queries: use this rank's share.
+        return self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         batch, seq, _ = x.shape

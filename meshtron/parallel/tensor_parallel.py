@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -39,6 +39,9 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
     if model.vocab_size % tp:
         raise ConfigError(f"parallel.tp: {tp} must divide the padded vocabulary {model.vocab_size}; "
                           "set model.make_vocab_size_divisible_by to a multiple of tp")
+    if getattr(cfg, "multi_latent_attention", False):
+        raise ConfigError("parallel.tp: multi-latent attention has no tensor-parallel plan yet; "
+                          "set parallel.tp 1 (use FSDP/PP/CP to scale it)")
     if cfg.tie_word_embeddings:
         raise ConfigError("parallel.tp: tied embeddings are not supported with tensor parallelism yet; "
                           "set model.tie_word_embeddings false or parallel.tp 1")
@@ -62,6 +65,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         parallelize_module(model, tp_mesh, top)
     for layer in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
         parallelize_module(layer, tp_mesh, _sublayer_plan(layer, sequence_parallel))
+        if getattr(layer.mixer, "sinks", None) is not None:
+            # learnable sink logits belong to query heads: split them by head like Wq's columns
+            layer.mixer.sinks = nn.Parameter(distribute_tensor(layer.mixer.sinks.data, tp_mesh, [Shard(0)]))
 
 
 def _sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, object]:

@@ -25,18 +25,27 @@ LAYOUTS = {
     "fsdp4": (4, {"parallel.dp_shard": "4"}),
     "hsdp_2x2": (4, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}),
     "tp2_fsdp2": (4, {"parallel.tp": "2", "parallel.dp_shard": "2"}),
+    "tp2_sinks_window": (2, {"parallel.tp": "2", "model.softmax_type": "learnable", "model.window_size": "8"}),
 }
 DEFAULT = {"tp2_sp", "fsdp2", "tp2_fsdp2"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cfg_overrides = {**BASE, "train.run_dir": str(tmp_path_factory.mktemp("ref"))}
+MODEL_KEYS = ("model.",)
+
+
+def single_process(tmp_path, extra):
+    """Losses and parameters of the one-process run with the same model options as a layout."""
     from meshtron.config.loader import load_config
 
-    trainer = Trainer(load_config(overrides=cfg_overrides, world_size=1))
+    model_extra = {k: v for k, v in extra.items() if k.startswith(MODEL_KEYS)}
+    trainer = Trainer(load_config(overrides={**BASE, **model_extra, "train.run_dir": str(tmp_path)}, world_size=1))
     history = trainer.train()
     return [r.loss for r in history], {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return single_process(tmp_path_factory.mktemp("ref"), {})
 
 
 def check_against_reference(results, reference):
@@ -56,4 +65,5 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     world, extra = LAYOUTS[layout]
     overrides = {**BASE, **extra, "train.run_dir": str(tmp_path / "run"), "parallel.timeout_s": "60"}
     results = run_ranks("meshtron.testing.parity:train_and_report", world, timeout_s=240, overrides=overrides)
-    check_against_reference(results, reference)
+    has_model_options = any(k.startswith(MODEL_KEYS) for k in extra)
+    check_against_reference(results, single_process(tmp_path / "ref", extra) if has_model_options else reference)
