@@ -28,7 +28,8 @@ class EngineConfig:
     device: str = option("auto", "Where to run: auto, cpu, cuda")
     cuda_graphs: bool = option(False, "CUDA only: replay captured graphs for decode batches (eager otherwise)")
     cuda_graph_batch_sizes: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64), "CUDA graphs: decode batch buckets")
-    layout: str = option("auto", "Batch layout: auto (cheaper by estimate), packed (one row) or padded (row per request)")
+    layout: str = option("auto", "Batch layout: auto (cheapest by estimate: packed or rows of S tokens), "
+                                 "packed (one row) or padded (one row per request)")
 
     LAYOUTS = ("auto", "packed", "padded")
 

@@ -95,7 +95,7 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             self.graphs[bucket] = _Graph(self.model, self.cache, bucket, self.num_key_blocks, self.pool)
-        batch = build_paged_batch(chunks, self.cache, "padded", num_rows=bucket, num_key_blocks=self.num_key_blocks)
+        batch = build_paged_batch(chunks, self.cache, "rows", num_rows=bucket, num_key_blocks=self.num_key_blocks)
         logits = self.graphs[bucket].replay(batch.tokens, batch.ctx)
         return logits[: len(chunks)], batch.sample_req_ids
 

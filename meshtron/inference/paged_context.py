@@ -5,9 +5,12 @@ Layouts (the runner picks one per step, see `runner.choose_layout`):
 - packed: every scheduled token in one row (batch 1). Keys are the concatenation of each
   sequence's whole context, and the mask keeps sequences apart (a query sees only keys of its own
   sequence, causally, within the layer's window). No padding, but attention work is
-  tokens x all keys, so it suits steps with long prefill chunks and few decodes.
-- padded: one row per sequence, queries padded to the longest chunk and keys to the longest
-  context. Attention work is rows x chunk x context, so it suits many decodes.
+  tokens x all keys, so it suits a few long prefill chunks.
+- rows of S: each sequence's chunk is cut into segments of at most S tokens, one row each, queries
+  padded to S and keys to the longest context. A decode is a row of one token; a prefill chunk of
+  n tokens is ceil(n / S) rows. All new keys/values are written before any are read, so a segment
+  sees the earlier segments of its own chunk. S = 1 wastes nothing on padding and suits a step of
+  decodes plus a short prefill; S = the longest chunk is "one row per sequence".
 Both satisfy the interface of `meshtron.nn.context`: `positions` (rows, q), `rope`,
 `update_kv(layer_id, k, v)` and `attention_mask` / `sdpa_mask`.
 
@@ -109,22 +112,36 @@ class PagedBatch:
     sample_req_ids: list[str]
 
 
+def _segments(i: int, c: ScheduledChunk, bs: int, max_len: Optional[int]) -> list[tuple]:
+    """The chunk cut into (seq index, chunk, query positions, key end, key blocks, query slots, token
+    ids, samples) pieces of at most `max_len` tokens (None: one piece)."""
+    n = len(c.token_ids)
+    step = n if max_len is None else max_len
+    table = np.asarray(c.block_ids, dtype=np.int64)
+    pieces = []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        q_pos = np.arange(c.start_pos + lo, c.start_pos + hi)
+        end = c.start_pos + hi
+        pieces.append((i, c, q_pos, end, table[: -(-end // bs)], table[q_pos // bs] * bs + q_pos % bs,
+                       c.token_ids[lo:hi], c.samples and hi == n))
+    return pieces
+
+
 def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout: str,
-                      num_rows: Optional[int] = None, num_key_blocks: Optional[int] = None) -> PagedBatch:
-    """Lay out the step's chunks as `layout` ('packed' or 'padded'). num_rows / num_key_blocks pad
-    the padded layout further (fixed shapes for CUDA graphs)."""
+                      segment_len: Optional[int] = None, num_rows: Optional[int] = None,
+                      num_key_blocks: Optional[int] = None) -> PagedBatch:
+    """Lay out the step's chunks as `layout`: 'packed', or 'rows' of at most `segment_len` tokens
+    (None: one row per sequence). num_rows / num_key_blocks pad the rows further (fixed shapes for
+    CUDA graphs)."""
     bs = cache.block_size
-    seqs = []
-    for i, c in enumerate(chunks):
-        end = c.start_pos + len(c.token_ids)
-        q_pos = np.arange(c.start_pos, end)
-        table = np.asarray(c.block_ids[: -(-end // bs)], dtype=np.int64)  # the blocks holding keys 0..end-1
-        seqs.append((i, c, q_pos, end, table, table[q_pos // bs] * bs + q_pos % bs))
     if layout == "packed":
+        seqs = [p for i, c in enumerate(chunks) for p in _segments(i, c, bs, None)]
         groups = [seqs]
         num_q = sum(len(s[2]) for s in seqs)
         num_kb = sum(len(s[4]) for s in seqs)
     else:
+        seqs = [p for i, c in enumerate(chunks) for p in _segments(i, c, bs, segment_len)]
         groups = [[s] for s in seqs] + [[] for _ in range((num_rows or len(seqs)) - len(seqs))]
         num_q = max(len(s[2]) for s in seqs)
         num_kb = max(num_key_blocks or 0, max(len(s[4]) for s in seqs))
@@ -139,14 +156,14 @@ def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout:
     sample_index, sample_req_ids = [], []
     for r, group in enumerate(groups):
         q_at = kb_at = 0
-        for i, c, q_pos, end, table, q_slots in group:
+        for i, c, q_pos, end, table, q_slots, token_ids, samples in group:
             q_end, kb_end = q_at + len(q_pos), kb_at + len(table)
-            tokens[r, q_at:q_end] = c.token_ids
+            tokens[r, q_at:q_end] = token_ids
             positions[r, q_at:q_end], write_slots[r, q_at:q_end], query_seq[r, q_at:q_end] = q_pos, q_slots, i
             key_blocks[r, kb_at:kb_end] = table
             key_positions[r, kb_at * bs:kb_end * bs] = np.arange(len(table) * bs)
             key_seq[r, kb_at * bs:kb_at * bs + end] = i  # slots past the sequence's end stay -1
-            if c.samples:
+            if samples:
                 sample_index.append(r * num_q + q_end - 1)
                 sample_req_ids.append(c.req_id)
             q_at, kb_at = q_end, kb_end

@@ -2,9 +2,10 @@
 `SchedulerOutput`, one forward through the model's paged context, and per-request sampling with
 per-request generators (seeded requests sample the same whatever they are batched with).
 
-Layout choice: attention over the packed row costs (tokens x all keys) and the padded rows cost
-(rows x longest chunk x longest context) plus the padded tokens' linear work; `choose_layout`
-estimates both in FLOPs from the model's shape and takes the cheaper one.
+Layout choice (see `paged_context`): the packed row costs tokens x all keys of attention; rows of
+S tokens cost rows x S x longest context of attention, the padded tokens' linear work, and a copy
+of every row's keys/values. `choose_layout` estimates each candidate from the model's shape
+(FLOPs, with key/value bytes weighted as memory traffic) and takes the cheapest.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return max(1, total * element)
 
 
-def cost_weights(model: nn.Module) -> tuple[float, float]:
-    """(FLOPs per query-key pair over all layers, FLOPs per token outside attention products)."""
+# A byte copied costs about this many FLOPs' time on the machines we run on (CPU: ~100 GFLOP/s
+# against ~10 GB/s); only the ranking of layouts depends on it.
+FLOPS_PER_BYTE = 10.0
+
+
+def cost_weights(model: nn.Module) -> tuple[float, float, float]:
+    """(FLOPs per query-key pair over all layers, FLOPs per token outside attention products,
+    cost of gathering one key/value row across layers)."""
     per_pair = 0.0
     for mixer in attention_layers(model):
         if hasattr(mixer, "wkv_b"):
@@ -52,17 +59,25 @@ def cost_weights(model: nn.Module) -> tuple[float, float]:
         else:
             per_pair += 4 * _local(mixer.wq.weight).shape[0]  # q.k and p.v, heads x head_dim each
     per_token = 2.0 * sum(_local(p).numel() for n, p in model.named_parameters() if "embedding" not in n)
-    return per_pair, per_token
+    return per_pair, per_token, 2 * kv_bytes_per_token(model) * FLOPS_PER_BYTE  # copied, then read
 
 
-def choose_layout(chunks: list[ScheduledChunk], per_pair: float, per_token: float) -> str:
+def choose_layout(chunks: list[ScheduledChunk], weights: tuple[float, float, float]) -> tuple[str, Optional[int]]:
+    """-> ('packed', None) or ('rows', S), whichever the cost estimate says is cheapest."""
+    per_pair, per_token, per_key = weights
     num_q = [len(c.token_ids) for c in chunks]
     num_k = [c.start_pos + n for c, n in zip(chunks, num_q)]
-    total_q = sum(num_q)
-    packed = total_q * sum(num_k) * per_pair + total_q * per_token
-    padded_tokens = len(chunks) * max(num_q)
-    padded = padded_tokens * max(num_k) * per_pair + padded_tokens * per_token
-    return "packed" if packed <= padded else "padded"
+    total_q, max_k = sum(num_q), max(num_k)
+    best = (total_q * sum(num_k) * (per_pair + per_key) + total_q * per_token, ("packed", None))
+    segment, longest = 1, max(num_q)
+    while True:
+        rows = sum(-(-n // segment) for n in num_q)
+        padded_tokens = rows * min(segment, longest)
+        cost = padded_tokens * (max_k * per_pair + per_token) + rows * max_k * per_key
+        best = min(best, (cost, ("rows", segment)), key=lambda x: x[0])
+        if segment >= longest:
+            return best[1]
+        segment = min(2 * segment, longest)
 
 
 class ModelRunner:
@@ -72,8 +87,8 @@ class ModelRunner:
         self.cache = PagedKVCache(cfg.num_blocks, cfg.block_size, device)
         self.generators: dict[str, torch.Generator] = {}
         self.params: dict[str, SamplingParams] = {}
-        self.per_pair, self.per_token = cost_weights(model)
-        self.num_forwards = {"packed": 0, "padded": 0, "graph": 0}
+        self.cost_weights = cost_weights(model)
+        self.num_forwards = {"packed": 0, "rows": 0, "graph": 0}
         self.graphs = None
         if cfg.cuda_graphs:
             from meshtron.inference.cuda_graphs import CudaGraphRunner
@@ -112,9 +127,12 @@ class ModelRunner:
             if result is not None:
                 self.num_forwards["graph"] += 1
                 return result
-        layout = self.cfg.layout if self.cfg.layout != "auto" else choose_layout(chunks, self.per_pair, self.per_token)
+        if self.cfg.layout == "auto":
+            layout, segment_len = choose_layout(chunks, self.cost_weights)
+        else:  # 'padded' is one row per sequence
+            layout, segment_len = ("packed", None) if self.cfg.layout == "packed" else ("rows", None)
         self.num_forwards[layout] += 1
-        batch = build_paged_batch(chunks, self.cache, layout)
+        batch = build_paged_batch(chunks, self.cache, layout, segment_len)
         logits = self.model(batch.tokens, batch.ctx)  # (rows, q, vocab)
         return logits.reshape(-1, logits.shape[-1])[batch.sample_index], batch.sample_req_ids
 

@@ -29,7 +29,7 @@ def test_batched_greedy_equals_reference(model, reference):
     eng = engine(model, block_size=4, num_blocks=512)
     assert run(eng, prompts, max_tokens) == expected
     assert eng.kv.num_free_blocks == 512  # everything returned
-    assert eng.runner.num_forwards["packed"] > 0 and eng.runner.num_forwards["padded"] > 0
+    assert eng.runner.num_forwards["rows"] > 0
 
 
 def test_chunked_prefill(model, reference):
@@ -42,6 +42,17 @@ def test_chunked_prefill(model, reference):
 def test_each_layout(model, reference, layout):
     prompts, max_tokens, expected = reference
     assert run(engine(model, block_size=8, num_blocks=256, layout=layout), prompts, max_tokens) == expected
+
+
+@pytest.mark.parametrize("segment_len", [1, 3, 16])
+def test_rows_of_segments(model, reference, segment_len, monkeypatch):
+    """Chunks cut into rows of a fixed length give the reference tokens too."""
+    from meshtron.inference import runner
+
+    monkeypatch.setattr(runner, "choose_layout", lambda chunks, weights: ("rows", segment_len))
+    prompts, max_tokens, expected = reference
+    eng = engine(model, block_size=4, num_blocks=512, max_num_batched_tokens=37)
+    assert run(eng, prompts, max_tokens) == expected
 
 
 def test_prefix_cache_hits(model):
