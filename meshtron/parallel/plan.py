@@ -1,0 +1,450 @@
+"""Memory plan of a parallel layout from the config alone: parameter, gradient, optimizer-state and
+activation bytes per pipeline rank, computed on the meta device and fake tensors (no allocation).
+
+Parameters come from a meta-device model and the sharding rules of `apply_tp` and `apply_fsdp`;
+activations from tracing the tensors autograd saves for backward during one fake forward of the
+rank's sublayers, then scaling them by the layout and the pipeline schedule (see `estimate_memory`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshtron.config.fields import ConfigError
+from meshtron.config.schema import ModelConfig, RunConfig
+from meshtron.models.gpt import GPTModel
+from meshtron.models.mtp import combine_losses, forward_for_loss
+from meshtron.nn.context import PackedContext
+from meshtron.parallel.dims import ParallelDims
+
+FP32_BYTES = 4  # parameters, gradients and optimizer states are fp32 in every precision (bf16 only casts compute)
+
+# Tensor-parallel sharding, the rules of `tensor_parallel.apply_tp`: column-parallel Linear layers
+# split their output features (weight and bias dim 0), row-parallel ones their input features
+# (weight dim 1; the bias is replicated), the embeddings split the vocabulary (rows) and learnable
+# sink logits the heads. Norms and anything else are replicated.
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW_PARALLEL = ("wo", "w_down")
+
+
+# ---- counting saved tensors ---------------------------------------------------------------------
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this rank's memory (a DTensor's local shard)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():  # to_local without grad returns the local tensor itself, no graph node
+            return t.to_local()
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl address: several saved views of one tensor (and one tensor saved by several
+    # ops) hold a single allocation. Meta and fake tensors have no data pointer, but do have this.
+    return local_tensor(t).untyped_storage()._cdata
+
+
+class SavedTensorCounter:
+    """While active, records the bytes of every distinct storage autograd saves for backward,
+    excluding parameters (counted as parameters; FSDP's gathered ones are freed after forward).
+
+    `region()` names where the forward is when a tensor is saved; `by_region` sums bytes by it.
+    Saved tensors are kept referenced until `close()`, so that a freed storage's address is never
+    reused by a later one within the measurement.
+    """
+
+    def __init__(self, model: nn.Module, region: Callable[[], Hashable] = lambda: None):
+        self.model, self.region = model, region
+        self.by_region: dict[Hashable, int] = {}
+        self._seen: set[int] = set()
+        self._kept: list[torch.Tensor] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_region.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._seen:
+            # FSDP swaps gathered parameters in for the forward: ask the model at each save
+            if key not in {_storage_key(p) for p in self.model.parameters()}:
+                nbytes = local_tensor(t).untyped_storage().nbytes()
+                where = self.region()
+                self.by_region[where] = self.by_region.get(where, 0) + nbytes
+                self._kept.append(t)
+            self._seen.add(key)
+        return t
+
+    def __enter__(self) -> SavedTensorCounter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self.close()
+
+    def close(self) -> None:
+        self._kept.clear()
+
+
+# ---- the layout -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline stage (model chunk): its sublayers and whether it embeds / runs the head."""
+    stage: int
+    layer_ids: range
+    is_first: bool
+    is_last: bool
+
+
+def rank_chunks(cfg: RunConfig, dims: ParallelDims) -> list[list[Chunk]]:
+    """The chunks each pipeline rank runs, by pipeline rank (one chunk of everything without pp)."""
+    n = len(cfg.model.pattern)
+    if dims.pp == 1:
+        return [[Chunk(0, range(n), True, True)]]
+    from meshtron.parallel.pipeline_stages import split_layers, stages_of_rank
+
+    p = cfg.parallel
+    num_stages = dims.pp * p.pp_virtual_stages
+    ranges = split_layers(n, num_stages, p.pp_first_stage_sublayers, p.pp_last_stage_sublayers)
+    # the placement pipeline.schedule_class picks: ZB-V runs two chunks per rank in a V (rank r holds
+    # stages r and 2pp-1-r); every other schedule loops (stage s on rank s mod pp)
+    style = "v" if p.pp_schedule == "zero_bubble" and p.pp_virtual_stages == 2 else "loop"
+    return [[Chunk(s, ranges[s], s == 0, s == num_stages - 1) for s in stages_of_rank(r, dims.pp, num_stages, style)]
+            for r in range(dims.pp)]
+
+
+def microbatches_in_flight(cfg: RunConfig, dims: ParallelDims, pp_rank: int, num_microbatches: int) -> float:
+    """How many micro-batches' worth of this rank's activations the schedule holds at its peak."""
+    m, p, v = num_microbatches, dims.pp, cfg.parallel.pp_virtual_stages
+    if p == 1:
+        return 1.0  # accumulation frees a micro-batch's activations in its backward, before the next forward
+    schedule = cfg.parallel.pp_schedule
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - pp_rank))
+    if schedule == "interleaved_1f1b":
+        # warm-up forwards (chunk-micro-batches) plus the one in the steady state; a chunk is 1/v of the rank
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1) / v
+    return float(min(m, p))  # zero_bubble
+
+
+# ---- parameters -----------------------------------------------------------------------------------
+
+def tp_shard_dim(name: str, module: nn.Module) -> Optional[int]:
+    """The dim of parameter `name` (e.g. 'layers.3.mixer.wq.weight') split over tp, or None."""
+    parts = name.split(".")
+    owner, leaf = parts[-2] if len(parts) > 1 else "", parts[-1]
+    top_level = len(parts) == 2
+    if top_level and owner in ("embedding", "position_embedding"):
+        return 0  # vocabulary-parallel (rows)
+    if top_level and owner == "output":
+        return 0  # column-parallel over the vocabulary
+    if owner == "mixer" and leaf == "sinks":
+        return 0  # learnable sink logits belong to query heads: split by head like wq
+    if len(parts) >= 3 and parts[-3] == "mixer" and isinstance(module, nn.Linear):
+        if owner in COLUMN_PARALLEL:
+            return 0
+        if owner in ROW_PARALLEL and leaf == "weight":
+            return 1
+    return None
+
+
+def local_numel(shape: torch.Size, tp_dim: Optional[int], tp: int, fsdp: int) -> int:
+    """Elements this rank holds: the TP shard, then FSDP's dim-0 chunk. FSDP pads dim 0 to a
+    multiple of its degree, so every rank allocates ceil(rows / fsdp) rows (rank 0 holds them all)."""
+    dims = list(shape)
+    if tp_dim is not None:
+        dims[tp_dim] = math.ceil(dims[tp_dim] / tp)  # DTensor gives rank 0 the larger chunk if uneven
+    if dims and fsdp > 1:
+        dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims) -> list[tuple[str, int, int]]:
+    """(name, local elements, local gradient elements) of every parameter a pipeline rank holds."""
+    owners = dict(model.named_modules())
+    fsdp = dims.dp_shard * dims.cp  # HSDP replicates over dp_replicate
+    out = []
+    for name, p in _chunk_parameters(model, chunks):
+        owner = owners[name.rpartition(".")[0]]
+        dim = tp_shard_dim(name, owner) if dims.tp > 1 else None
+        numel = local_numel(p.shape, dim, dims.tp, fsdp)
+        # Measured: DTensor's backward of a vocabulary-parallel embedding returns a Replicate
+        # gradient of the whole table on every TP rank; only FSDP's reduce-scatter shards it again.
+        replicated_grad = dim is not None and isinstance(owner, nn.Embedding) and not dims.fsdp_enabled
+        out.append((name, numel, p.numel() if replicated_grad else numel))
+    return out
+
+
+def _chunk_parameters(model: GPTModel, chunks: list[Chunk]) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters of the rank's chunks: their sublayers, the embedding on the first stage, the final
+    norm and output head on the last (and MTP depths, which only run without a pipeline)."""
+    whole = len(chunks) == 1 and chunks[0].is_first and chunks[0].is_last
+    layer_ids = {i for c in chunks for i in c.layer_ids}
+    first, last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
+    for name, p in model.named_parameters():
+        top = name.split(".")[0]
+        if top == "layers":
+            keep = int(name.split(".")[1]) in layer_ids
+        elif top in ("embedding", "position_embedding"):
+            keep = first
+        elif top in ("final_norm", "output"):
+            keep = last
+        else:
+            keep = whole  # mtp
+        if keep:
+            yield name, p
+
+
+def optimizer_bytes(cfg: RunConfig, numels: list[int]) -> int:
+    """Adam: exp_avg and exp_avg_sq (2 fp32 per element) and a 4-byte step per tensor;
+    SGD with momentum: one momentum buffer; plain SGD: nothing."""
+    o = cfg.optimizer
+    if o.type == "adam":
+        return sum(2 * FP32_BYTES * n + FP32_BYTES for n in numels)
+    if o.sgd_momentum > 0:
+        return sum(FP32_BYTES * n for n in numels)
+    return 0
+
+
+# ---- activations ----------------------------------------------------------------------------------
+
+def local_model_config(cfg: RunConfig, vocab: int, tp: int) -> ModelConfig:
+    """The model as one tensor-parallel rank computes it: 1/tp of the heads, MLP width and
+    (padded) vocabulary, the full hidden size."""
+    m = copy.deepcopy(cfg.model)
+    if tp > 1:
+        m.kv_channels = m.head_dim
+        m.num_query_groups = m.num_kv_heads // tp
+        m.num_attention_heads //= tp
+        m.ffn_hidden_size = m.ffn_size // tp
+        m.vocab_size, m.make_vocab_size_divisible_by = vocab // tp, 1
+    return m
+
+
+class RegionTracker:
+    """Names the part of the model running now, through forward hooks: ('seq', i) for sublayer i's
+    norm, dropout and residual (split along the sequence under SP), ('mixer', i) for its attention
+    or MLP, 'embed', 'head_seq' (final norm), 'head' (output layer), 'mtp', and 'loss'."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[Hashable] = ["other"]
+        self.handles = []
+        for name, module in model.named_modules():
+            tag = self._tag(name)
+            if tag is not None:
+                self.handles.append(module.register_forward_pre_hook(lambda *_, t=tag: self._push(t)))
+                self.handles.append(module.register_forward_hook(lambda *_: self._pop()))
+
+    @staticmethod
+    def _tag(name: str) -> Optional[Hashable]:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) == 2:
+            return ("seq", int(parts[1]))
+        if parts[0] == "layers" and len(parts) == 3 and parts[2] == "mixer":
+            return ("mixer", int(parts[1]))
+        named = {"embedding": "embed", "position_embedding": "embed", "final_norm": "head_seq", "output": "head"}
+        if len(parts) == 1 and parts[0] in named:
+            return named[parts[0]]
+        if parts[0] == "mtp" and len(parts) == 2:
+            return "mtp"
+        return None
+
+    # hooks must return None: a returned value would replace the module's input or output
+    def _push(self, tag: Hashable) -> None:
+        self.stack.append(tag)
+
+    def _pop(self) -> None:
+        self.stack.pop()
+
+    def current(self) -> Hashable:
+        return self.stack[-1]
+
+    @contextmanager
+    def at(self, tag: Hashable) -> Iterator[None]:
+        self.stack.append(tag)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def trace_chunk(model: GPTModel, chunk: Chunk, whole: bool, batch: int, seq: int,
+                loss_vocab_factor: int = 1) -> dict[Hashable, int]:
+    """Saved-tensor bytes by region of one micro-batch (batch, seq) through `chunk` of `model`
+    (fake tensors). `loss_vocab_factor` widens the logits the loss sees (TP without loss_parallel
+    all-gathers them to the full vocabulary)."""
+    tracker = RegionTracker(model)
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    labels, loss_mask = torch.zeros_like(tokens), torch.ones(batch, seq)  # the loader's dtypes
+    try:
+        with SavedTensorCounter(model, tracker.current) as counter:
+            if whole:
+                logits, mtp_logits = forward_for_loss(model, tokens, PackedContext.for_tokens(tokens))
+            else:
+                logits, mtp_logits = _stage_forward(model, chunk, tokens), []
+            if logits is not None:
+                if loss_vocab_factor > 1:
+                    logits = torch.cat([logits] * loss_vocab_factor, dim=-1)  # what the all-gather produces
+                with tracker.at("loss"):
+                    combine_losses(logits, mtp_logits, labels, loss_mask, None, model.cfg)
+            return dict(counter.by_region)
+    finally:
+        tracker.remove()
+
+
+def _stage_forward(model: GPTModel, chunk: Chunk, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """Run one pipeline stage module; a later stage receives hidden states that require grad."""
+    from meshtron.parallel.pipeline_stages import PipelineStageModule
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the stage deep-copies the rotary buffer: a fake tensor
+        stage = PipelineStageModule(model, chunk.layer_ids, chunk.is_first, chunk.is_last)
+    stage.rotary = model.rotary  # that copy belongs to another fake mode; the model's own computes the same
+    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    x = tokens if chunk.is_first else torch.zeros(*tokens.shape, model.cfg.hidden_size, requires_grad=True)
+    out = stage(x, positions)
+    return out if chunk.is_last else None
+
+
+def recomputed(mode: str, symbol: str) -> bool:
+    """Whether `apply_activation_checkpoint` wraps a sublayer of this symbol."""
+    return mode == "full" or (mode == "selective" and symbol == "*")
+
+
+def chunk_activation_bytes(regions: dict[Hashable, int], chunk: Chunk, cfg: RunConfig, dims: ParallelDims,
+                           batch: int, seq: int) -> int:
+    """Scale the traced regions by the layout: under sequence parallelism the norm/residual regions
+    hold 1/tp of the sequence; a recomputed sublayer keeps only its input (batch, seq[/tp], hidden)."""
+    sp = dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else 1
+    mode = cfg.parallel.activation_checkpoint
+    total = 0
+    for region, nbytes in regions.items():
+        kind, index = region if isinstance(region, tuple) else (region, None)
+        if index is not None and recomputed(mode, cfg.model.pattern[index]):
+            continue
+        total += nbytes // sp if kind in ("seq", "head_seq") else nbytes
+    inputs = sum(1 for i in chunk.layer_ids if recomputed(mode, cfg.model.pattern[i]))
+    return total + inputs * batch * (seq // sp) * cfg.model.hidden_size * FP32_BYTES
+
+
+@contextmanager
+def fake_tensors(precision: str) -> Iterator[None]:
+    """Fake CPU tensors: meta storage (no allocation) that dispatch like real ones. Plain meta
+    tensors would send attention to the math kernel, which saves the full score matrix; training
+    runs a fused kernel that saves q, k, v, the output and the log-sum-exp."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # private; only the planner uses it
+
+    with FakeTensorMode(), torch.device("cpu"):
+        if precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+def vocab_size(cfg: RunConfig) -> int:
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    from meshtron.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.tokenizer).vocab_size
+
+
+def num_microbatches(cfg: RunConfig, dims: ParallelDims) -> int:
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dims.dp):
+        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not allowed; must be a multiple of "
+                          f"micro_batch_size * data-parallel size = {t.micro_batch_size} * {dims.dp}")
+    return t.global_batch_size // (t.micro_batch_size * dims.dp)
+
+
+def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
+    """Bytes per pipeline rank (one dict per rank role; one without a pipeline), from the config alone.
+
+    With t = tp, f = dp_shard * cp (FSDP's shard degree), b = micro-batch size, s = sequence length,
+    m = micro-batches per step and pipeline = global_batch / (b * dp_replicate * dp_shard):
+      params      = 4 * sum over the rank's parameters of ceil(rows_t / f) * rest_t, where the
+                    TP-local shape splits column-parallel weights (wq, wk, wv, w_gate, w_up, output)
+                    on dim 0, row-parallel ones (wo, w_down) on dim 1, embeddings on the vocabulary,
+                    and replicates norms and row-parallel biases; FSDP pads dim 0 (ceil).
+      grads       = params (fp32, sharded like the parameters), except that under TP without FSDP
+                    the embedding gradients are whole tables: DTensor's backward of a vocabulary-
+                    parallel embedding returns them Replicate (measured on torch 2.13).
+      optimizer   = Adam: 2 * params + 4 bytes (step) per tensor; SGD with momentum: params; else 0.
+      activations = A * k, where A (per micro-batch) is the bytes of the distinct storages autograd
+                    saves in one forward of (b, s / cp) tokens through the rank's chunks, traced on
+                    fake tensors of the TP-local model (heads, MLP width and vocabulary / t), with
+                    the norm/residual storages / t under sequence parallelism, the logits at the
+                    full vocabulary for TP without loss_parallel, and a recomputed sublayer ('full':
+                    all, 'selective': attention) counted as its input b * s[/t] * hidden * 4 only.
+                    k = micro-batches in flight on pipeline rank r: 1 without a pipeline; GPipe m;
+                    1F1B min(m, pp - r); interleaved 1F1B min(m*v, (v-1)*pp + 2*(pp-1-r) + 1) / v
+                    chunk-micro-batches of 1/v of the rank each; zero-bubble min(m, pp) (ZB-V keeps
+                    pp micro-batches of both its chunks on every rank).
+      total       = params + grads + optimizer + activations.
+    Not counted: FSDP's transiently gathered sublayer parameters, communication buffers, ring
+    attention's extra key/value blocks under CP, and the one sublayer recompute materialises during
+    its backward. bf16 traces under CPU autocast; parameters, gradients and states stay fp32.
+    """
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    m = num_microbatches(cfg, dims)
+    vocab = vocab_size(cfg)
+    with torch.device("meta"):
+        full = GPTModel(cfg.model, vocab)
+    if dims.tp > 1:
+        from meshtron.parallel.tensor_parallel import check_tp_divisibility
+
+        check_tp_divisibility(full, dims.tp)
+    chunks_by_rank = rank_chunks(cfg, dims)
+    batch, seq = cfg.train.micro_batch_size, cfg.data.seq_length // dims.cp
+    loss_factor = dims.tp if dims.tp > 1 and not cfg.parallel.loss_parallel else 1
+    with fake_tensors(cfg.train.precision):
+        local = GPTModel(local_model_config(cfg, full.vocab_size, dims.tp), vocab)
+        plans = []
+        for pp_rank, chunks in enumerate(chunks_by_rank):
+            whole = dims.pp == 1
+            per_microbatch = sum(chunk_activation_bytes(trace_chunk(local, c, whole, batch, seq, loss_factor), c,
+                                                        cfg, dims, batch, seq) for c in chunks)
+            sizes = rank_parameters(full, chunks, dims)
+            plans.append(_stage_plan(cfg, dims, pp_rank, chunks, sizes, per_microbatch, m))
+    return plans
+
+
+def _stage_plan(cfg: RunConfig, dims: ParallelDims, pp_rank: int, chunks: list[Chunk],
+                sizes: list[tuple[str, int, int]], per_microbatch: int, m: int) -> dict[str, Any]:
+    in_flight = microbatches_in_flight(cfg, dims, pp_rank, m)
+    numels = [n for _, n, _ in sizes]
+    params = FP32_BYTES * sum(numels)
+    row = {
+        "stage": pp_rank,
+        "sublayers": ",".join(f"{c.layer_ids.start}-{c.layer_ids.stop - 1}" for c in chunks),
+        "num_params": sum(numels),
+        "param_bytes": params,
+        "grad_bytes": FP32_BYTES * sum(g for _, _, g in sizes),
+        "optimizer_bytes": optimizer_bytes(cfg, numels),
+        "activation_bytes_per_microbatch": per_microbatch,
+        "microbatches_in_flight": in_flight,
+        "activation_bytes": int(round(per_microbatch * in_flight)),
+    }
+    row["total_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] + row["activation_bytes"]
+    return row
