@@ -14,7 +14,7 @@ from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.testing.multiprocess import run_ranks
 from meshtron.training import Trainer
 
-from .test_layouts import BASE
+from .test_layouts import BASE, check_against_reference
 
 # Windowed layers (the second attention layer stays full), a sink logit per head, and attention that
 # stops at document boundaries with positions restarting in each document (short documents: `short_docs`).
@@ -71,14 +71,7 @@ def test_context_parallel_matches_single_process(layout, tmp_path, short_docs):
     ref_losses, ref_params = reference(features, tmp_path / "ref")
     overrides = {**BASE, **features, **parallel, "train.run_dir": str(tmp_path / "run"), "parallel.timeout_s": "60"}
     results = run_ranks("meshtron.testing.parity:train_and_report", world, timeout_s=240, overrides=overrides)
-    for r in results:
-        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5, rel=0)
-    merged = {}
-    for r in results:
-        merged.update(r["params"])
-    assert set(merged) == set(ref_params)
-    for name, value in merged.items():
-        torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=0, msg=name)
+    check_against_reference(results, (ref_losses, ref_params))
 
 
 @pytest.mark.slow  # the refusal itself is checked by the default ring-attention test
