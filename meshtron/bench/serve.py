@@ -74,14 +74,14 @@ def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
             "ttft_mean_ms": statistics.fmean(ttft) * 1e3}
 
 
-def run_engine(model: GPTModel, prompts, outputs, args) -> tuple[list[Timing], float, list[list[int]]]:
+def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int) -> tuple[list[Timing], float, list[list[int]]]:
     from meshtron.data.tokenizer import ByteTokenizer
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
     from meshtron.inference.request import SamplingParams
 
     engine = LLMEngine(model, ByteTokenizer(), EngineConfig(
-        device="cpu", max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=16, kv_cache_memory_mb=256))
     start = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
@@ -200,7 +200,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
-    p.add_argument("--batch-size", type=int, default=32, help="static batch size = the engine's max_num_seqs")
+    p.add_argument("--batch-size", type=int, default=32, help="static batch size (and the engine's first max_num_seqs)")
+    p.add_argument("--engine-max-num-seqs", type=int, nargs="*", default=[128],
+                   help="further engine runs with these max_num_seqs (the paged cache wastes no memory on padding, "
+                        "so the engine can run more requests at once than a static batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive"])
@@ -222,8 +225,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = build_model(args)
     results, notes, tokens = [], [], {}
     if "engine" not in args.skip:
-        timings, wall, tokens["engine"] = run_engine(model, prompts, outputs, args)
-        results.append(summarize("meshtron engine", timings, wall))
+        for k, max_num_seqs in enumerate([args.batch_size, *args.engine_max_num_seqs]):
+            timings, wall, engine_tokens = run_engine(model, prompts, outputs, args, max_num_seqs)
+            tokens.setdefault("engine", engine_tokens)
+            results.append(summarize(f"meshtron engine s={max_num_seqs}", timings, wall))
+            if k and engine_tokens != tokens["engine"]:
+                notes.append(f"engine s={max_num_seqs}: greedy tokens differ from s={args.batch_size}")
     if "static" not in args.skip:
         with tempfile.TemporaryDirectory(prefix="meshtron-bench-serve-") as tmp:
             hf_dir = convert_to_hf(model, Path(tmp))
@@ -236,11 +243,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         n = args.naive_requests or len(prompts)
         timings, wall, tokens["naive"] = run_naive(model, prompts[:n], outputs[:n])
         results.append(summarize("naive one-at-a-time" + (f" (first {n})" if n < len(prompts) else ""), timings, wall))
-    by_name = {r["system"].split()[0]: r for r in results}
+    by_name: dict[str, dict[str, Any]] = {}
+    for r in results:  # the first engine row is the one at the static batch's concurrency
+        by_name.setdefault(r["system"].split()[0], r)
     summary: dict[str, Any] = {}
     if "meshtron" in by_name and "transformers" in by_name:
-        summary["engine_over_static"] = by_name["meshtron"]["output_tokens_per_s"] / by_name["transformers"]["output_tokens_per_s"]
-        notes.append(f"engine / static-batch throughput: {summary['engine_over_static']:.2f}x (goal >= {GOAL_RATIO:.0f}x)")
+        static = by_name["transformers"]["output_tokens_per_s"]
+        summary["engine_over_static"] = by_name["meshtron"]["output_tokens_per_s"] / static
+        best = max((r for r in results if r["system"].startswith("meshtron")), key=lambda r: r["output_tokens_per_s"])
+        summary["best_engine_over_static"] = best["output_tokens_per_s"] / static
+        notes.append(f"engine / static-batch throughput at equal concurrency ({args.batch_size}): "
+                     f"{summary['engine_over_static']:.2f}x; best engine row ({best['system']}): "
+                     f"{summary['best_engine_over_static']:.2f}x (goal >= {GOAL_RATIO:.0f}x)")
     if "meshtron" in by_name and "naive" in by_name:
         summary["engine_over_naive"] = by_name["meshtron"]["output_tokens_per_s"] / by_name["naive"]["output_tokens_per_s"]
         notes.append(f"engine / naive throughput: {summary['engine_over_naive']:.2f}x")
