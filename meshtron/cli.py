@@ -48,14 +48,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from meshtron.checkpoint import resolve_checkpoint
     from meshtron.inference.config import engine_config_from_args
     from meshtron.inference.engine import LLMEngine
     from meshtron.inference.server import serve
+    from meshtron.parallel.distributed import world_from_env
 
     engine_cfg = engine_config_from_args(args)
-    from meshtron.checkpoint import resolve_checkpoint
-
     resolve_checkpoint(args.checkpoint)  # a wrong path fails here, in one line, before the server starts
+    if world_from_env()[2] > 1:  # under torchrun: tensor parallel over every rank, served from rank 0
+        from meshtron.inference.tp_serving import serve_tensor_parallel
+
+        return serve_tensor_parallel(args.checkpoint, engine_cfg, model_name=args.model_name, host=args.host,
+                                     port=args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
 
     def factory() -> LLMEngine:
         return LLMEngine.from_checkpoint(args.checkpoint, engine_cfg, model_name=args.model_name)

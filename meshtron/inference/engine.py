@@ -18,7 +18,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Optional, Union
 
 import torch
@@ -72,6 +72,9 @@ class LLMEngine:
         self._wake = threading.Event()
         self._stopping = False
         self.num_steps = 0
+        # Called as hook(kind, payload) before each forward ("step", chunks), on suspend ("release")
+        # and at shutdown ("stop"): tensor-parallel serving forwards these to the follower ranks.
+        self.step_hook: Optional[Callable[..., None]] = None
 
     @classmethod
     def from_checkpoint(cls, path, config: Optional[EngineConfig] = None, *, tp_mesh=None,
@@ -146,6 +149,8 @@ class LLMEngine:
             if sched.is_empty:
                 return []
             self.num_steps += 1
+            if self.step_hook is not None:
+                self.step_hook("step", sched.chunks)
             try:
                 sampled = self.runner.execute(sched)
             except Exception as e:  # fail this step's requests, keep serving the others
@@ -289,6 +294,8 @@ class LLMEngine:
                 self._drain_inbox()
                 for req_id in list(self.scheduler.requests):
                     self.abort(req_id)
+        if self.step_hook is not None:
+            self.step_hook("stop")
 
     # ---- suspend / resume -----------------------------------------------------------------------
 
@@ -303,6 +310,8 @@ class LLMEngine:
             self._suspended = [(r, self.runner.generator_state(r.req_id)) for r in requests]
             self.kv.reset()
             self.runner.release()
+            if self.step_hook is not None:
+                self.step_hook("release")
 
     def resume(self) -> None:
         with self._lock:

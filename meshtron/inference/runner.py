@@ -120,6 +120,12 @@ class ModelRunner:
             return {}
         return sample_rows(logits, [self.params[r] for r in req_ids], [self.generators[r] for r in req_ids], req_ids)
 
+    @torch.inference_mode()
+    def forward_only(self, chunks: list[ScheduledChunk]) -> None:
+        """The forward of a step whose sampling happens elsewhere (a tensor-parallel follower rank)."""
+        if chunks:
+            self._forward(chunks)
+
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[str]]:
         """-> logits (num_sampling, vocab) and the request id of each row."""
         if self.graphs is not None:

@@ -1,7 +1,10 @@
 """Tensor-parallel inference (the training TP plans, two gloo ranks) gives the single-process
-greedy tokens. Every rank runs the same engine on the same requests."""
+greedy tokens: every rank running the same engine (SPMD), and rank 0 leading with the other rank
+following its broadcast steps (how `meshtron serve` runs under torchrun), across a suspend/resume."""
 
 from __future__ import annotations
+
+import pytest
 
 from meshtron.testing.multiprocess import run_ranks
 from tests.inference.helpers import save_tiny_checkpoint, workload
@@ -9,7 +12,7 @@ from tests.inference.helpers import save_tiny_checkpoint, workload
 ENGINE = dict(num_blocks=128, block_size=4, max_num_batched_tokens=16)
 
 
-def tp_rank(rank: int, world_size: int, checkpoint: str, prompts, max_tokens):
+def _setup(world_size: int, checkpoint: str):
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -17,29 +20,74 @@ def tp_rank(rank: int, world_size: int, checkpoint: str, prompts, max_tokens):
 
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
-    from meshtron.inference.request import SamplingParams
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(device="cpu", **ENGINE), tp_mesh=mesh)
-    local_heads = engine.runner.model.layers[0].mixer.wq.weight.to_local().shape[0]
-    outputs = engine.generate(prompts, [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens])
-    return [o.token_ids for o in outputs], local_heads
+    return LLMEngine.from_checkpoint(checkpoint, EngineConfig(device="cpu", **ENGINE), tp_mesh=mesh)
 
 
-def test_tp2_equals_single_process(tmp_path):
-    from meshtron.inference.config import EngineConfig
-    from meshtron.inference.engine import LLMEngine
+def _params(max_tokens):
     from meshtron.inference.request import SamplingParams
 
-    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
+    return [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+
+
+def spmd_rank(rank: int, world_size: int, checkpoint: str, prompts, max_tokens):
+    engine = _setup(world_size, checkpoint)
+    local_heads = engine.runner.model.layers[0].mixer.wq.weight.to_local().shape[0]
+    return [o.token_ids for o in engine.generate(prompts, _params(max_tokens))], local_heads
+
+
+def leader_follower_rank(rank: int, world_size: int, checkpoint: str, prompts, max_tokens):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtron.inference.tp_serving import Leader, follow, lead
+
+    engine = _setup(world_size, checkpoint)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    if rank != 0:
+        follow(engine.runner, group)
+        return None
+    lead(engine, Leader(group))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, _params(max_tokens))]
+    finished = {}
+    for step in range(8):
+        finished.update({o.req_id: o for o in engine.step() if o.finished})
+        if step == 3:
+            engine.suspend()
+            engine.resume()
+    while engine.has_unfinished_requests():
+        finished.update({o.req_id: o for o in engine.step() if o.finished})
+    engine.shutdown()  # tells the follower to stop
+    return [finished[i].token_ids for i in ids]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from meshtron.inference.config import EngineConfig
+    from meshtron.inference.engine import LLMEngine
+
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt")
     prompts, max_tokens = workload(num_requests=8, max_prompt=20, max_output=10)
-    results = run_ranks("tests.inference.test_tp:tp_rank", 2, timeout_s=240, checkpoint=checkpoint,
-                        prompts=prompts, max_tokens=max_tokens)
     single = LLMEngine.from_checkpoint(checkpoint, EngineConfig(device="cpu", **ENGINE))
-    expected = [o.token_ids for o in single.generate(prompts, [SamplingParams(max_tokens=m, temperature=0)
-                                                               for m in max_tokens])]
+    expected = [o.token_ids for o in single.generate(prompts, _params(max_tokens))]
     full_heads = single.runner.model.layers[0].mixer.wq.weight.shape[0]
+    return checkpoint, prompts, max_tokens, expected, full_heads
+
+
+def test_tp2_equals_single_process(setup):
+    checkpoint, prompts, max_tokens, expected, full_heads = setup
+    results = run_ranks("tests.inference.test_tp:spmd_rank", 2, timeout_s=240, checkpoint=checkpoint,
+                        prompts=prompts, max_tokens=max_tokens)
     for tokens, local_heads in results:
         assert local_heads == full_heads // 2  # really sharded
         assert tokens == expected
+
+
+def test_tp2_leader_and_follower_equal_single_process(setup):
+    checkpoint, prompts, max_tokens, expected, _ = setup
+    results = run_ranks("tests.inference.test_tp:leader_follower_rank", 2, timeout_s=240, checkpoint=checkpoint,
+                        prompts=prompts, max_tokens=max_tokens)
+    assert results[0] == expected and results[1] is None
