@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all lint bench clean
+.PHONY: run test test-slow test-all lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ run: $(STAMP) $(DATA)/stdlib.idx
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
 
 test-all: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "slow or not slow"
