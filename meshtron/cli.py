@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "train"] and argv[2:3] != ["--"]:
+        # argparse's REMAINDER refuses a first item that looks like an option: hand the rest over as is.
+        argv = [*argv[:2], "--", *argv[2:]]
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed in one line
