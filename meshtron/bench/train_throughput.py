@@ -26,7 +26,7 @@ from meshtron.config.loader import OneLineParser, add_config_arguments, config_t
 from meshtron.config.schema import RunConfig
 from meshtron.models import flops_per_token
 from meshtron.training import Trainer, TrainingError
-from meshtron.training.flops import measure_matmul_flops
+from meshtron.training.flops import default_matmul_size, measure_matmul_flops
 from meshtron.training.trainer import resolve_device
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def resolve_peak(cfg: RunConfig, device: torch.device, given: Optional[float]) -
     if given:
         return given, "given (--peak-flops)"
     dtype = torch.bfloat16 if (cfg.train.precision == "bf16" and device.type == "cuda") else torch.float32
-    size = 4096 if device.type == "cuda" else 1024  # large enough to reach the GPU's sustained rate
+    size = default_matmul_size(device)
     return measure_matmul_flops(device, dtype, size=size), f"measured {str(dtype)[6:]} matmul {size}^3"
 
 
