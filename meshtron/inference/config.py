@@ -28,10 +28,11 @@ class EngineConfig:
     device: str = option("auto", "Where to run: auto, cpu, cuda")
     cuda_graphs: bool = option(False, "CUDA only: replay captured graphs for decode batches (eager otherwise)")
     cuda_graph_batch_sizes: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64), "CUDA graphs: decode batch buckets")
-    layout: str = option("auto", "Batch layout: auto (cheapest by estimate: packed or rows of S tokens), "
-                                 "packed (one row) or padded (one row per request)")
+    layout: str = option("varlen", "Batch layout: varlen (one packed row; attention per decode bucket and per "
+                                   "prefill chunk), auto (cheapest by estimate: packed or rows of S tokens), "
+                                   "packed (one row, one attention) or padded (one row per request)")
 
-    LAYOUTS = ("auto", "packed", "padded")
+    LAYOUTS = ("varlen", "auto", "packed", "padded")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, value, rule: str) -> None:

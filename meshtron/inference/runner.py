@@ -20,6 +20,7 @@ from meshtron.inference.paged_context import PagedKVCache, build_paged_batch
 from meshtron.inference.request import SamplingParams
 from meshtron.inference.sampler import sample_rows
 from meshtron.inference.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from meshtron.inference.varlen_context import build_varlen_batch
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.params: dict[str, SamplingParams] = {}
         self.cost_weights = cost_weights(model)
-        self.num_forwards = {"packed": 0, "rows": 0, "graph": 0}
+        self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
         self.graphs = None
         if cfg.cuda_graphs:
             from meshtron.inference.cuda_graphs import CudaGraphRunner
@@ -133,6 +134,11 @@ class ModelRunner:
             if result is not None:
                 self.num_forwards["graph"] += 1
                 return result
+        if self.cfg.layout == "varlen":
+            self.num_forwards["varlen"] += 1
+            batch = build_varlen_batch(chunks, self.cache)
+            logits = self.model(batch.tokens, batch.ctx)
+            return logits[0, batch.sample_index], batch.sample_req_ids
         if self.cfg.layout == "auto":
             layout, segment_len = choose_layout(chunks, self.cost_weights)
         else:  # 'padded' is one row per sequence

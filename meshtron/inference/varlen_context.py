@@ -1,0 +1,161 @@
+"""Variable-length paged attention: every scheduled token in one packed row, attention computed per
+group of sequences straight from the paged cache.
+
+The rows layouts of `paged_context` pad: queries to the longest segment and every row's keys to the
+longest context of the step. Here the linear layers see exactly the step's tokens (one row of T),
+and attention is split by the context's own `attend` (see `nn.attention_core.attend`):
+- decodes (one new token each) are sorted by context length and cut into buckets whose lengths are
+  within a factor `BUCKET_RATIO` of each other; each bucket gathers its key/value blocks, padded only
+  to the bucket's longest context, and runs one batched attention with queries of length 1;
+- each prefill chunk attends alone to its own blocks (causal from its start position).
+`update_kv` writes the new keys/values into their slots and hands back the layer's cache tensors,
+which `attend` reads through the groups' block tables. Groups, block indices and masks are built
+once per step and shared by every layer; masks are cached per window size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshtron.inference.paged_context import PagedBatch, PagedKVCache
+from meshtron.inference.scheduler import ScheduledChunk
+from meshtron.nn.attention_core import sink_attention
+
+# A decode joins the current bucket while its context needs at least this share of the bucket's
+# longest context (in blocks): at most 1 - ratio of a bucket's key reads are padding.
+BUCKET_RATIO = 0.75
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together: their query indices in the packed row, their key blocks
+    (rows, blocks) padded with the scratch block, and per row the query positions."""
+
+    query_index: torch.Tensor  # (rows * q,) flat query indices into the packed row
+    key_blocks: torch.Tensor  # (rows, blocks)
+    query_positions: torch.Tensor  # (rows, q)
+    contiguous: Optional[tuple[int, int]] = None  # (lo, hi) when the queries are one slice of the row
+    _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, block_size: int, window_size: Optional[int]) -> torch.Tensor:
+        """Boolean (rows, 1, q, keys): causal (so never past the sequence's end) and within the window.
+        Padded key blocks lie past every query position, so they are masked too."""
+        if window_size not in self._masks:
+            rows, blocks = self.key_blocks.shape
+            k_pos = torch.arange(blocks * block_size, device=self.key_blocks.device)[None, None, :]
+            q_pos = self.query_positions[:, :, None]
+            mask = k_pos <= q_pos
+            if window_size is not None:
+                mask = mask & (q_pos - k_pos < window_size)
+            self._masks[window_size] = mask[:, None]
+        return self._masks[window_size]
+
+
+@dataclass
+class VarlenPagedContext:
+    positions: torch.Tensor  # (1, T)
+    write_slots: torch.Tensor  # (T,)
+    groups: list[AttentionGroup]
+    cache: PagedKVCache
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (1, kv_heads, T, d) into their slots; return this layer's cache tensors
+        (num_blocks + 1, block_size, kv_heads, d), which `attend` reads through the block tables."""
+        k_cache, v_cache = self.cache.layer(layer_id, k, v)
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, self.write_slots, new[0].transpose(0, 1))
+        return k_cache, v_cache
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, scale: float,
+               window_size: Optional[int] = None, sink_logits: Optional[torch.Tensor] = None,
+               dropout: float = 0.0) -> torch.Tensor:
+        """q (1, heads, T, dk) -> (1, heads, T, dv), each group attending to its own keys."""
+        heads, bs = q.shape[1], self.cache.block_size
+        out = q.new_empty(1, heads, q.shape[2], v_cache.shape[-1])
+        for g in self.groups:
+            rows, blocks = g.key_blocks.shape
+            if g.contiguous is not None:
+                lo, hi = g.contiguous
+                q_g = q[:, :, lo:hi]
+            else:  # decodes: one query per row
+                q_g = q[0].index_select(1, g.query_index).transpose(0, 1)[:, :, None]  # (rows, heads, 1, dk)
+            flat = g.key_blocks.reshape(-1)
+            k_g, v_g = (c.index_select(0, flat).view(rows, blocks * bs, *c.shape[2:]).transpose(1, 2)
+                        for c in (k_cache, v_cache))  # (rows, kv_heads, keys, d)
+            mask = g.mask(bs, window_size)
+            if sink_logits is None:
+                o = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=mask, scale=scale,
+                                                   enable_gqa=heads != k_g.shape[1])
+            else:
+                o = sink_attention(q_g, k_g, v_g, mask, sink_logits, scale=scale)
+            if g.contiguous is not None:
+                out[:, :, lo:hi] = o
+            else:
+                out[0].index_copy_(1, g.query_index, o[:, :, 0].transpose(0, 1))
+        return out
+
+
+def _decode_buckets(lengths: list[int]) -> list[list[int]]:
+    """Indices into `lengths` (key blocks per decode) grouped so that each bucket's shortest context is
+    at least BUCKET_RATIO of its longest."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and lengths[i] >= BUCKET_RATIO * lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache) -> PagedBatch:
+    """One packed row of every chunk's tokens, with decode buckets and per-chunk prefill groups."""
+    bs, device = cache.block_size, cache.device
+    tokens, positions, slots, sample_index, sample_req_ids = [], [], [], [], []
+    starts, decodes, groups = [], [], []
+    at = 0
+    for c in chunks:
+        n = len(c.token_ids)
+        pos = np.arange(c.start_pos, c.start_pos + n)
+        table = np.asarray(c.block_ids, dtype=np.int64)
+        tokens.append(np.asarray(c.token_ids, dtype=np.int64))
+        positions.append(pos)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        if c.samples:
+            sample_index.append(at + n - 1)
+            sample_req_ids.append(c.req_id)
+        starts.append(at)
+        if n == 1:
+            decodes.append(len(starts) - 1)
+        else:
+            blocks = table[: -(-(c.start_pos + n) // bs)]
+            groups.append(AttentionGroup(
+                query_index=torch.arange(at, at + n, device=device),
+                key_blocks=torch.from_numpy(blocks[None].copy()).to(device),
+                query_positions=torch.from_numpy(pos[None]).to(device), contiguous=(at, at + n)))
+        at += n
+    if decodes:
+        needed = [-(-(chunks[i].start_pos + 1) // bs) for i in decodes]
+        for bucket in _decode_buckets(needed):
+            width = needed[bucket[0]]
+            key_blocks = np.full((len(bucket), width), cache.scratch_block, dtype=np.int64)
+            for r, j in enumerate(bucket):
+                key_blocks[r, : needed[j]] = chunks[decodes[j]].block_ids[: needed[j]]
+            members = [decodes[j] for j in bucket]
+            groups.append(AttentionGroup(
+                query_index=torch.tensor([starts[i] for i in members], device=device),
+                key_blocks=torch.from_numpy(key_blocks).to(device),
+                query_positions=torch.tensor([[chunks[i].start_pos] for i in members], device=device)))
+
+    def t(parts: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+
+    ctx = VarlenPagedContext(positions=t(positions)[None], write_slots=t(slots), groups=groups, cache=cache)
+    return PagedBatch(t(tokens)[None], ctx, torch.tensor(sample_index, dtype=torch.long, device=device),
+                      sample_req_ids)
