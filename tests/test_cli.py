@@ -26,3 +26,15 @@ def test_train_then_generate(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "meshtron", "generate", "--checkpoint", str(tmp_path / "x")],
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+
+
+def test_bench_train_takes_its_own_flags(capsys):
+    """`meshtron bench train --help` and leading options reach the benchmark's parser (argparse's
+    REMAINDER alone would refuse them)."""
+    from meshtron.cli import main
+
+    assert main(["bench", "train", "--help"]) == 0
+    assert "--repeats" in capsys.readouterr().out
+    assert main(["bench", "train", "--repeats", "0"]) == 2  # the benchmark's own check, not 'unrecognized'
+    err = capsys.readouterr().err
+    assert "unrecognized" not in err and "--repeats" in err
