@@ -14,7 +14,12 @@ from typing import Optional
 
 from meshtron.config.fields import ConfigError
 from meshtron.config.loader import OneLineParser, add_config_arguments, overrides_from_args
-from meshtron.inference.config import add_engine_arguments
+from meshtron.config.reference import Section
+from meshtron.inference.config import EngineConfig, add_engine_arguments
+
+# Documented in docs/config.md after the run sections: the flags of `meshtron serve` and `generate`.
+ENGINE_SECTION = Section("engine", EngineConfig, "the inference engine behind `meshtron serve` and `meshtron generate`; "
+                         "set on their command line", flag=lambda name: "--" + name.replace("_", "-"))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -114,9 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/train_throughput.py")
     bt.set_defaults(func=cmd_bench_train)
 
+    from meshtron.api_check import register as register_check_api
+    from meshtron.config.commands import register as register_config_commands
     from meshtron.data.commands import register as register_data_commands
 
     register_data_commands(sub)
+    register_config_commands(sub, extra_sections=(ENGINE_SECTION,))
+    register_check_api(sub)
     try:
         from meshtron.models.hf.commands import register as register_convert_commands
     except ImportError:

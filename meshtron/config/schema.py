@@ -14,8 +14,10 @@ from meshtron.config.fields import ConfigError, check, option
 LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP"}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
+    """The network: layer pattern, widths, attention, positions, MLP, initialisation."""
+
     layer_pattern: str = option("", "Sublayer symbols in order: '*' attention, '-' MLP; empty derives '*-' * num_layers")
     num_layers: int = option(4, "Transformer layers (attention + MLP) when layer_pattern is empty")
     hidden_size: int = option(256, "Model width")
@@ -197,8 +199,10 @@ class ModelConfig:
               "must be >= 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelConfig:
+    """How the run is split over processes (one DeviceMesh), recompute and compile."""
+
     dp_replicate: int = option(1, "Data-parallel replicas (HSDP outer axis; gradients all-reduced across them)")
     dp_shard: int = option(-1, "FSDP shard degree; -1 takes what the other axes leave of the world size")
     cp: int = option(1, "Context-parallel degree (the sequence is split over these ranks)")
@@ -234,8 +238,10 @@ class ParallelConfig:
             check(v is None or v >= 1, f"parallel.{name}", v, "must be >= 1 or null")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimizerConfig:
+    """Optimizer and gradient clipping."""
+
     type: Literal["adam", "sgd"] = option("adam", "Optimizer")
     lr: float = option(1e-3, "Peak learning rate")
     weight_decay: float = option(0.1, "Weight decay (never applied to norms and biases)")
@@ -256,8 +262,10 @@ class OptimizerConfig:
         check(self.sgd_momentum >= 0, "optimizer.sgd_momentum", self.sgd_momentum, "must be >= 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerConfig:
+    """Learning-rate warmup and decay."""
+
     warmup_steps: int = option(100, "Linear warmup steps from warmup_init_lr to optimizer.lr")
     warmup_init_lr: float = option(0.0, "Learning rate at step 0")
     decay_style: Literal["cosine", "linear", "constant", "WSD"] = option("cosine", "Decay after warmup")
@@ -276,8 +284,10 @@ class SchedulerConfig:
             check(self.wsd_decay_steps >= 1, "scheduler.wsd_decay_steps", self.wsd_decay_steps, "must be >= 1 or null")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
+    """The training loop: steps, batch sizes, precision, device, evaluation, run directory."""
+
     train_iters: int = option(1000, "Optimizer steps to run")
     micro_batch_size: int = option(8, "Sequences per forward/backward")
     global_batch_size: int = option(8, "Sequences per optimizer step (micro-batches are accumulated)")
@@ -307,8 +317,10 @@ class TrainConfig:
             check(self.peak_flops > 0, "train.peak_flops", self.peak_flops, "must be > 0 or null")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TokenizerConfig:
+    """Which tokenizer turns text into ids, and its special tokens."""
+
     type: Literal["byte", "hf", "sentencepiece", "tiktoken"] = option(
         "byte", "Tokenizer kind: byte (no files), hf (a tokenizer.json directory), sentencepiece (.model), tiktoken (BPE file)")
     path: Optional[str] = option(None, "Tokenizer directory (hf) or file (sentencepiece, tiktoken); unused by byte")
@@ -331,8 +343,10 @@ class TokenizerConfig:
                   "give TOKEN or TOKEN=ID with a non-negative integer id")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataConfig:
+    """Datasets, their blend and split, sequence length, packing and fill-in-the-middle."""
+
     paths: list[str] = option([], "Indexed dataset prefixes, optionally weighted: [0.7, prefA, 0.3, prefB]; "
                                   "empty uses the embedded corpus (CPython standard library sources)")
     split: str = option("969,30,1", "Train/valid/test weights over documents, e.g. '969,30,1'")
@@ -399,8 +413,10 @@ def _is_number(text: str) -> bool:
     return True
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointConfig:
+    """Saving and resuming (torch.distributed.checkpoint)."""
+
     save: Optional[str] = option(None, "Directory for checkpoints; null means <run_dir>/checkpoints")
     save_interval: int = option(0, "Save every N steps (0: only at the end)")
     save_at_end: bool = option(True, "Save when training finishes")
@@ -413,8 +429,10 @@ class CheckpointConfig:
         check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be >= 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoggerConfig:
+    """Metrics logging: interval, progress bar, TensorBoard, Weights & Biases."""
+
     log_interval: int = option(10, "Log metrics every N steps")
     progress_bar: Literal["auto", "on", "off"] = option("auto", "Progress bar (auto: only on a terminal)")
     tensorboard: bool = option(False, "Write TensorBoard events to <run_dir>/tensorboard (extra 'track')")
@@ -425,8 +443,10 @@ class LoggerConfig:
         check(self.log_interval >= 1, "logger.log_interval", self.log_interval, "must be >= 1")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunConfig:
+    """Everything a run needs: one section per component (the top-level keys of a YAML config)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

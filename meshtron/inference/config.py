@@ -14,7 +14,7 @@ from typing import Optional
 from meshtron.config.fields import ConfigError, option
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
     block_size: int = option(16, "Tokens per KV-cache block (the unit of allocation and prefix sharing)")
     num_blocks: Optional[int] = option(None, "KV-cache blocks; null sizes the cache from kv_cache_memory_mb")
