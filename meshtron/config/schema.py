@@ -10,16 +10,23 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from meshtron.config.fields import ConfigError, check, option
+from meshtron.config.hybrid import check_pattern, pattern_from_ratios
 
-LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP"}
+LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP", "M": "Mamba-2"}
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The network: layer pattern, widths, attention, positions, MLP, initialisation."""
+    """The network: layer pattern, widths, attention, positions, MLP, Mamba, initialisation."""
 
-    layer_pattern: str = option("", "Sublayer symbols in order: '*' attention, '-' MLP; empty derives '*-' * num_layers")
+    layer_pattern: str = option("", "Sublayer symbols in order: '*' attention, '-' MLP, 'M' Mamba-2; empty derives "
+                                    "it from hybrid_num_sublayers and the ratios, else '*-' * num_layers")
     num_layers: int = option(4, "Transformer layers (attention + MLP) when layer_pattern is empty")
+    hybrid_num_sublayers: Optional[int] = option(
+        None, "Hybrid: total sublayers of a pattern derived from hybrid_attention_ratio and hybrid_mlp_ratio (the "
+              "rest Mamba 'M'); a given layer_pattern overrides it and must have this length; null: no hybrid")
+    hybrid_attention_ratio: float = option(0.0, "Hybrid: fraction of the sublayers that are attention, spread evenly")
+    hybrid_mlp_ratio: float = option(0.0, "Hybrid: fraction of the sublayers that are MLP, spread evenly")
     hidden_size: int = option(256, "Model width")
     num_attention_heads: int = option(4, "Query heads per attention sublayer")
     num_query_groups: Optional[int] = option(None, "Key/value heads for GQA/MQA; null means one per query head")
@@ -72,6 +79,20 @@ class ModelConfig:
     tie_word_embeddings: bool = option(False, "Share the input embedding with the output head")
     mtp_num_layers: int = option(0, "Multi-token prediction depths (DeepSeek-V3); depth k predicts token t+k+1")
     mtp_loss_scaling_factor: float = option(0.1, "MTP: loss weight; the total adds factor / mtp_num_layers * sum of depth losses")
+    mamba_num_heads: Optional[int] = option(None, "Mamba: SSM heads; null means mamba_expand * hidden_size / mamba_head_dim")
+    mamba_expand: int = option(2, "Mamba: inner width is mamba_expand * hidden_size when mamba_num_heads is null")
+    mamba_head_dim: int = option(64, "Mamba: channels per SSM head (P)")
+    mamba_num_groups: int = option(8, "Mamba: groups of heads sharing B and C (and one gated-norm group each)")
+    mamba_state_dim: int = option(128, "Mamba: SSM state size per channel (N)")
+    mamba_conv_kernel: int = option(4, "Mamba: width of the causal depthwise convolution")
+    mamba_conv_bias: bool = option(True, "Mamba: bias in the convolution")
+    mamba_proj_bias: bool = option(False, "Mamba: biases in the input and output projections")
+    mamba_chunk_size: int = option(128, "Mamba: SSD chunk length (quadratic inside a chunk, recurrent across)")
+    mamba_dt_min: float = option(0.001, "Mamba: init of dt_bias draws dt log-uniformly from [dt_min, dt_max]")
+    mamba_dt_max: float = option(0.1, "Mamba: upper end of the dt init range")
+    mamba_dt_init_floor: float = option(1e-4, "Mamba: the dt init is clamped to at least this")
+    mamba_dt_limit_min: float = option(0.0, "Mamba: dt = softplus(. + dt_bias) is clamped to [dt_limit_min, dt_limit_max]")
+    mamba_dt_limit_max: float = option(float("inf"), "Mamba: upper dt clamp (inf: none)")
     init_method_std: float = option(0.02, "Std of the normal init of weights")
     scaled_init: bool = option(True, "Scale output-projection init by 1/sqrt(2 * num_layers)")
     attention_dropout: float = option(0.0, "Dropout on attention probabilities")
@@ -79,7 +100,20 @@ class ModelConfig:
 
     @property
     def pattern(self) -> str:
-        return self.layer_pattern or "*-" * self.num_layers
+        if self.layer_pattern:
+            return self.layer_pattern
+        if self.hybrid_num_sublayers:
+            return pattern_from_ratios(self.hybrid_num_sublayers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
+        return "*-" * self.num_layers
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba_num_heads or self.mamba_expand * self.hidden_size // self.mamba_head_dim
+
+    @property
+    def mamba_inner_size(self) -> int:
+        """Channels of the SSM input x, the gate z and the gated norm: heads x head_dim."""
+        return self.mamba_heads * self.mamba_head_dim
 
     @property
     def head_dim(self) -> int:
@@ -95,8 +129,8 @@ class ModelConfig:
 
     @property
     def num_transformer_layers(self) -> int:
-        """Depth used by scaled init: the number of attention sublayers (at least 1)."""
-        return max(1, self.pattern.count("*"))
+        """Depth used by scaled init: the number of sequence mixers, attention and Mamba (at least 1)."""
+        return max(1, self.pattern.count("*") + self.pattern.count("M"))
 
     @property
     def uses_rope(self) -> bool:
@@ -121,9 +155,8 @@ class ModelConfig:
         return bool(skip[attention_index])
 
     def validate(self) -> None:
-        bad = sorted(set(self.pattern) - set(LAYER_SYMBOLS))
-        allowed = ", ".join(f"'{s}' {n}" for s, n in LAYER_SYMBOLS.items())
-        check(not bad, "model.layer_pattern", self.pattern, f"unknown symbol(s) {bad}; use {allowed}")
+        self._validate_hybrid()
+        check_pattern(self.pattern, LAYER_SYMBOLS)
         check(self.num_layers >= 1, "model.num_layers", self.num_layers, "must be >= 1")
         check(self.hidden_size >= 1, "model.hidden_size", self.hidden_size, "must be >= 1")
         check(self.num_attention_heads >= 1, "model.num_attention_heads", self.num_attention_heads, "must be >= 1")
@@ -141,8 +174,44 @@ class ModelConfig:
         check(self.init_method_std > 0, "model.init_method_std", self.init_method_std, "must be > 0")
         check(self.norm_epsilon > 0, "model.norm_epsilon", self.norm_epsilon, "must be > 0")
         self._validate_positions()
+        self._validate_mamba()
         self._validate_attention()
         self._validate_mlp_and_mtp()
+
+    def _validate_hybrid(self) -> None:
+        n = self.hybrid_num_sublayers
+        for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
+            v = getattr(self, name)
+            check(0.0 <= v <= 1.0, f"model.{name}", v, "must be in [0, 1]")
+        if n is None:
+            return
+        check(n >= 1, "model.hybrid_num_sublayers", n, "must be >= 1 or null")
+        counts = round(n * self.hybrid_attention_ratio), round(n * self.hybrid_mlp_ratio)
+        check(sum(counts) <= n, "model.hybrid_mlp_ratio", self.hybrid_mlp_ratio,
+              f"with hybrid_attention_ratio={self.hybrid_attention_ratio} it asks for {counts[0]} attention + "
+              f"{counts[1]} MLP sublayers, more than hybrid_num_sublayers={n}; lower a ratio")
+        check(not self.layer_pattern or len(self.layer_pattern) == n, "model.layer_pattern", self.layer_pattern,
+              f"has {len(self.layer_pattern)} sublayers but hybrid_num_sublayers={n}; make them agree or set one null")
+
+    def _validate_mamba(self) -> None:
+        if "M" not in self.pattern:
+            return
+        for name in ("mamba_head_dim", "mamba_num_groups", "mamba_state_dim", "mamba_conv_kernel", "mamba_chunk_size",
+                     "mamba_expand"):
+            check(getattr(self, name) >= 1, f"model.{name}", getattr(self, name), "must be >= 1")
+        if self.mamba_num_heads is None:
+            inner = self.mamba_expand * self.hidden_size
+            check(inner % self.mamba_head_dim == 0, "model.mamba_head_dim", self.mamba_head_dim,
+                  f"must divide mamba_expand * hidden_size = {inner} (or set model.mamba_num_heads)")
+        else:
+            check(self.mamba_num_heads >= 1, "model.mamba_num_heads", self.mamba_num_heads, "must be >= 1 or null")
+        check(self.mamba_heads % self.mamba_num_groups == 0, "model.mamba_num_groups", self.mamba_num_groups,
+              f"must divide the {self.mamba_heads} Mamba heads")
+        check(0 < self.mamba_dt_min <= self.mamba_dt_max, "model.mamba_dt_min", self.mamba_dt_min,
+              f"must be > 0 and <= mamba_dt_max={self.mamba_dt_max}")
+        check(self.mamba_dt_init_floor >= 0, "model.mamba_dt_init_floor", self.mamba_dt_init_floor, "must be >= 0")
+        check(0 <= self.mamba_dt_limit_min < self.mamba_dt_limit_max, "model.mamba_dt_limit_min",
+              self.mamba_dt_limit_min, f"must be >= 0 and < mamba_dt_limit_max={self.mamba_dt_limit_max}")
 
     def _validate_positions(self) -> None:
         check(0.0 < self.rotary_percent <= 1.0, "model.rotary_percent", self.rotary_percent, "must be in (0, 1]")
@@ -476,6 +545,8 @@ class RunConfig:
             check(False, "parallel", f"dp_replicate*cp*tp*pp = {others}",
                   f"must divide the world size {world_size}; change the degrees or the number of processes")
         if p.cp > 1:
+            check("M" not in m.pattern, "parallel.cp", p.cp, "context parallelism splits the sequence, which Mamba "
+                  "sublayers scan from start to end; set parallel.cp 1 for a pattern with 'M'")
             check(self.data.seq_length % (2 * p.cp) == 0, "data.seq_length", self.data.seq_length,
                   f"must be divisible by 2 * parallel.cp = {2 * p.cp} (zig-zag context-parallel chunks)")
 

@@ -65,6 +65,42 @@ def mlp_params(cfg: ModelConfig) -> int:
     return total
 
 
+def mamba_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one Mamba mixer's projections: z, x, B, C, dt in and the output back."""
+    d, inner, bc = cfg.hidden_size, cfg.mamba_inner_size, cfg.mamba_num_groups * cfg.mamba_state_dim
+    return d * (2 * inner + 2 * bc + cfg.mamba_heads) + inner * d
+
+
+def mamba_params(cfg: ModelConfig) -> int:
+    """All parameters of one Mamba mixer: projections, conv, A_log / D / dt_bias, gated norm."""
+    inner, heads, bc = cfg.mamba_inner_size, cfg.mamba_heads, cfg.mamba_num_groups * cfg.mamba_state_dim
+    conv_channels = inner + 2 * bc
+    total = mamba_matmul_params(cfg) + conv_channels * cfg.mamba_conv_kernel + 3 * heads + inner
+    if cfg.mamba_conv_bias:
+        total += conv_channels
+    if cfg.mamba_proj_bias:
+        total += 2 * inner + 2 * bc + heads + cfg.hidden_size  # the five in-projections and out_proj
+    return total
+
+
+def mamba_scan_flops(cfg: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token of one Mamba mixer outside its projections (3x the forward):
+    the conv (2 K per channel), the in-chunk scores C.B (2 L N per group) and their product with x
+    (2 L P per head), the chunk states and their read-out (2 x 2 P N per head). No causal halving."""
+    chunk = min(cfg.mamba_chunk_size, seq_length)
+    g, n, h, p = cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.mamba_heads, cfg.mamba_head_dim
+    conv = 2 * cfg.mamba_conv_kernel * (h * p + 2 * g * n)
+    return 3.0 * (conv + 2 * chunk * g * n + 2 * chunk * h * p + 4 * h * p * n)
+
+
+def _sublayer_params(cfg: ModelConfig, symbol: str) -> int:
+    return {"*": attention_params, "-": mlp_params, "M": mamba_params}[symbol](cfg)
+
+
+def _sublayer_matmul_params(cfg: ModelConfig, symbol: str) -> int:
+    return {"*": attention_matmul_params, "-": mlp_matmul_params, "M": mamba_matmul_params}[symbol](cfg)
+
+
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     """Closed-form parameter count of `GPTModel(cfg, vocab_size)` (vocab already padded or not)."""
     v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
@@ -77,7 +113,7 @@ def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     if not cfg.tie_word_embeddings:
         total += v * d
     for s in cfg.pattern:
-        total += norm + (attn if s == "*" else mlp)
+        total += norm + _sublayer_params(cfg, s)
     # each MTP depth: two input norms, the 2d -> d projection, an attention and an MLP sublayer, a final norm
     total += cfg.mtp_num_layers * (2 * norm + 2 * d * d + (norm + attn) + (norm + mlp) + norm)
     return total
@@ -99,15 +135,16 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float
     where P_matmul counts every weight used in a matmul (sublayer projections and the output head,
     not the embedding lookup), and keys is the sequence length (the window for windowed layers;
     no halving for causality). With head_dim for both qk and v this is the familiar
-    training = 6 * P_matmul + 12 * n_attn * seq * heads * head_dim. MTP depths add their projection,
-    sublayers and one more pass through the output head.
+    training = 6 * P_matmul + 12 * n_attn * seq * heads * head_dim. Mamba sublayers add their scan
+    (`mamba_scan_flops`). MTP depths add their projection, sublayers and one more pass through the
+    output head.
     """
     v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
     d = cfg.hidden_size
     attn_w, mlp_w = attention_matmul_params(cfg), mlp_matmul_params(cfg)
-    matmul_params = v * d + sum(attn_w if s == "*" else mlp_w for s in cfg.pattern)
+    matmul_params = v * d + sum(_sublayer_matmul_params(cfg, s) for s in cfg.pattern)
     matmul_params += cfg.mtp_num_layers * (2 * d * d + attn_w + mlp_w + v * d)
-    flops = 6.0 * matmul_params
+    flops = 6.0 * matmul_params + cfg.pattern.count("M") * mamba_scan_flops(cfg, seq_length)
     for i in range(cfg.pattern.count("*")):
         flops += _attention_score_flops(cfg, seq_length, cfg.is_window_layer(i))
     every_window = cfg.window_size is not None and all(cfg.is_window_layer(i) for i in range(cfg.pattern.count("*")))

@@ -1,5 +1,6 @@
 """Residual sublayers: x = x + dropout(f(norm(x), ctx)) for one symbol of the layer pattern, and the
-builder that turns a `ModelConfig` into the mixer f ('*' attention: GQA or multi-latent; '-' MLP).
+builder that turns a `ModelConfig` into the mixer f ('*' attention: GQA or multi-latent; '-' MLP;
+'M' Mamba-2).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.attention import Attention
+from meshtron.nn.mamba import Mamba2Mixer
 from meshtron.nn.mla import MultiLatentAttention
 from meshtron.nn.mlp import MLP
 from meshtron.nn.norm import build_norm
@@ -38,8 +40,18 @@ def build_mlp(cfg: ModelConfig) -> nn.Module:
                clamp_value=cfg.activation_func_clamp_value, linear_offset=cfg.glu_linear_offset)
 
 
+def build_mamba(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """`layer_id` keys the layer's conv and SSM state at inference time."""
+    return Mamba2Mixer(
+        cfg.hidden_size, cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim,
+        layer_id=layer_id, conv_kernel=cfg.mamba_conv_kernel, conv_bias=cfg.mamba_conv_bias,
+        proj_bias=cfg.mamba_proj_bias, chunk_size=cfg.mamba_chunk_size, dt_min=cfg.mamba_dt_min,
+        dt_max=cfg.mamba_dt_max, dt_init_floor=cfg.mamba_dt_init_floor,
+        dt_limit=(cfg.mamba_dt_limit_min, cfg.mamba_dt_limit_max), norm_eps=cfg.norm_epsilon)
+
+
 class Sublayer(nn.Module):
-    """Pre-norm residual wrapper around one mixer ('*' attention or '-' MLP)."""
+    """Pre-norm residual wrapper around one mixer ('*' attention, '-' MLP or 'M' Mamba-2)."""
 
     def __init__(self, symbol: str, cfg: ModelConfig, layer_id: int, window_size: Optional[int] = None):
         super().__init__()
@@ -49,6 +61,8 @@ class Sublayer(nn.Module):
             self.mixer: nn.Module = build_attention(cfg, layer_id, window_size)
         elif symbol == "-":
             self.mixer = build_mlp(cfg)
+        elif symbol == "M":
+            self.mixer = build_mamba(cfg, layer_id)
         else:
             raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}")
         self.dropout = nn.Dropout(cfg.hidden_dropout)

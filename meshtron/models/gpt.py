@@ -22,7 +22,7 @@ from meshtron.nn.rope_scaling import build_rotary
 __all__ = ["GPTModel", "Sublayer", "count_parameters", "flops_per_token", "padded_vocab_size"]
 
 # Parameter names ending like this are residual-branch outputs: their init is scaled by depth.
-OUTPUT_PROJECTIONS = (".wo", ".w_down")
+OUTPUT_PROJECTIONS = (".wo", ".w_down", ".out_proj")
 
 
 class GPTModel(nn.Module):
@@ -49,7 +49,7 @@ class GPTModel(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal(0, std) weights; output projections scaled by 1/sqrt(2 * depth); zero biases and sink
-        logits; unit norms (set by the norm modules themselves)."""
+        logits; unit norms (set by the norm modules themselves); Mamba's A, D, dt and conv by the mixer."""
         std = self.cfg.init_method_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_transformer_layers) if self.cfg.scaled_init else std
         for name, module in self.named_modules():
@@ -61,6 +61,8 @@ class GPTModel(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
             elif getattr(module, "sinks", None) is not None:
                 nn.init.zeros_(module.sinks)
+            elif hasattr(module, "reset_ssm_parameters"):
+                module.reset_ssm_parameters()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Normalised hidden states (batch, seq, hidden) -> logits (batch, seq, vocab)."""

@@ -9,14 +9,36 @@ The mask contract: `attention_mask(window_size)` is a boolean (batch or 1, 1, qu
 True where a query may attend a key: causal, same document when packed, and with a window W a query
 at index i sees keys j with i - W < j <= i (itself and the W-1 before it). `sdpa_mask(window_size)`
 gives the same as keyword arguments for `scaled_dot_product_attention` (just `is_causal` when it can).
+
+The recurrent-state contract (Mamba): `mamba_state(layer_id)` returns None (every row starts from
+a zero state and nothing is kept: training) or a `RecurrentState` giving each row's starting conv
+and SSM state, how many of its tokens are real (right padding after them), and where the states
+after its last real token go.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+
+@dataclass
+class RecurrentState:
+    """One Mamba layer's state for the rows of a forward.
+
+    conv: (rows, conv_kernel - 1, channels) inputs before each row's first token, or None (zeros).
+    ssm: (rows, heads, head_dim, state_dim), or None (zeros).
+    lengths: (rows,) long, real tokens per row (the rest is right padding), or None (all real).
+    store(conv, ssm): receives the states after each row's last real token.
+    """
+
+    conv: Optional[torch.Tensor]
+    ssm: Optional[torch.Tensor]
+    lengths: Optional[torch.Tensor]
+    store: Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -42,6 +64,9 @@ class PackedContext:
     def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
+    def mamba_state(self, layer_id: int) -> Optional[RecurrentState]:
+        return None  # every row starts from zero; documents are kept apart by document_ids
+
     def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
         """Boolean (batch or 1, 1, seq, seq): causal, same document if packed, within the window if given."""
         if window_size not in self._masks:
@@ -66,7 +91,8 @@ class KVCacheContext:
     """Decoding context with a contiguous cache per attention layer: (batch, kv_heads, max_len, head_dim).
 
     All sequences in the batch share the same length (the simple generator's contract).
-    Call `advance(n)` after each forward of n new tokens.
+    Call `advance(n)` after each forward of n new tokens. Mamba layers keep their conv and SSM
+    states here too, so a prompt may be fed in several pieces.
     """
 
     batch_size: int
@@ -75,6 +101,7 @@ class KVCacheContext:
     positions: Optional[torch.Tensor] = None
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _num_new: int = 0
 
     def begin(self, tokens: torch.Tensor) -> KVCacheContext:
@@ -96,6 +123,14 @@ class KVCacheContext:
         k_cache[:, :, self.offset:end] = k
         v_cache[:, :, self.offset:end] = v
         return k_cache[:, :, :end], v_cache[:, :, :end]
+
+    def mamba_state(self, layer_id: int) -> RecurrentState:
+        conv, ssm = self.states.get(layer_id, (None, None))
+
+        def store(new_conv: torch.Tensor, new_ssm: torch.Tensor) -> None:
+            self.states[layer_id] = (new_conv, new_ssm)
+
+        return RecurrentState(conv, ssm, None, store)
 
     def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
         """Boolean (1, 1, new, offset + new): the new tokens against everything cached so far."""

@@ -29,6 +29,9 @@ VARIANTS = [
      "rope_scaling": True, "rope_scaling_original_max_position_embeddings": 16},
     {"mtp_num_layers": 1, "normalization": "LayerNorm", "qk_layernorm": True, "softmax_type": "learnable",
      "tie_word_embeddings": True},
+    {"layer_pattern": "M*-M", "mamba_head_dim": 8, "mamba_num_groups": 2, "mamba_state_dim": 4},
+    {"layer_pattern": "MM-", "mamba_num_heads": 3, "mamba_head_dim": 5, "mamba_num_groups": 3, "mamba_state_dim": 7,
+     "mamba_conv_kernel": 2, "mamba_conv_bias": False, "mamba_proj_bias": True, "normalization": "LayerNorm"},
 ]
 
 
@@ -59,6 +62,17 @@ def test_flops_per_token_by_hand():
     # matmul params: head 64*32 + 2 * (3072 + 4608); attention term 12 * 2 layers * seq 16 * 4 heads * 8
     expected = 6 * (64 * 32 + 2 * (3072 + 4608)) + 12 * 2 * 16 * 4 * 8
     assert flops_per_token(cfg, 64, 16) == expected
+
+
+def test_mamba_parameters_and_flops_by_hand():
+    cfg = small(layer_pattern="M-", mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=4, mamba_chunk_size=8)
+    # 4 heads of 16 (expand 2 x 32 / 16): inner 64, B and C 2 groups x 4 = 8 each, conv over 64 + 16 channels
+    # projections 32 * (64 + 64 + 8 + 8 + 4) + 64 * 32; conv 80 * 4 + 80 bias; A_log, D, dt_bias 3 * 4; norm 64
+    mamba = 32 * 148 + 64 * 32 + 80 * 4 + 80 + 12 + 64
+    assert count_parameters(cfg, 64) == 64 * 32 * 2 + mamba + 4608 + 3 * 32  # + embedding, head, MLP, 3 norms
+    # scan per token (x3 for training): conv 2*4*80, scores 2*8*2*4, scores x values 2*8*4*16, states 4*4*16*4
+    scan = 3 * (2 * 4 * 80 + 2 * 8 * 2 * 4 + 2 * 8 * 4 * 16 + 4 * 4 * 16 * 4)
+    assert flops_per_token(cfg, 64, 16) == 6 * (64 * 32 + 32 * 148 + 64 * 32 + 4608) + scan
 
 
 def test_parameter_count_of_mla_and_mtp_by_hand():
