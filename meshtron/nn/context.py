@@ -101,8 +101,8 @@ class KVCacheContext:
     positions: Optional[torch.Tensor] = None
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _num_new: int = 0
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)  # Mamba
 
     def begin(self, tokens: torch.Tensor) -> KVCacheContext:
         """Prepare positions for a forward over `tokens` (batch, new) appended after `offset`."""
