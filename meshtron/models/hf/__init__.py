@@ -1,5 +1,5 @@
-"""Hugging Face interop for dense models: config and tensor adapters per family (Llama, Mistral, Qwen2,
-Qwen3, GPT-2), streaming safetensors <-> meshtron checkpoint conversion, and `train.init_from_hf`.
+"""Hugging Face interop: config and tensor adapters per family (Llama, Mistral, Qwen2, Qwen3, GPT-2, and
+the Mamba families Mamba-2 and NemotronH), streaming safetensors <-> meshtron checkpoint conversion, and `train.init_from_hf`.
 
 Conversion reads and writes safetensors itself (no optional package); `transformers` and `safetensors`
 (the `hf` extra) serve the tests as the reference.

@@ -44,7 +44,7 @@ class TensorMap:
 
 
 class FamilyAdapter(Protocol):
-    name: str                     # the family as users name it: llama, mistral, qwen2, qwen3, gpt2
+    name: str                     # the family as users name it: llama, mistral, qwen2, qwen3, gpt2, mamba2, ...
     architecture: str             # config.json "architectures"[0], e.g. LlamaForCausalLM
 
     def to_model_config(self, hf: dict[str, Any]) -> ModelConfig: ...
@@ -83,9 +83,13 @@ def architecture_of(hf: dict[str, Any]) -> str:
 def adapters() -> dict[str, FamilyAdapter]:
     from meshtron.models.hf.gpt2 import GPT2Adapter
     from meshtron.models.hf.llama import LLAMA_LIKE
+    from meshtron.models.hf.mamba2 import Mamba2Adapter
+    from meshtron.models.hf.nemotron_h import NemotronHAdapter
 
     table: dict[str, FamilyAdapter] = {a.name: a for a in LLAMA_LIKE}
     table["gpt2"] = GPT2Adapter()
+    table["mamba2"] = Mamba2Adapter()
+    table["nemotron_h"] = NemotronHAdapter()
     return table
 
 
@@ -113,6 +117,8 @@ def adapter_by_name(name: str) -> FamilyAdapter:
 def guess_family(cfg: ModelConfig) -> FamilyAdapter:
     """The family whose layout matches a meshtron model trained without a Hugging Face origin."""
     table = adapters()
+    if "M" in cfg.pattern:
+        return table["mamba2"] if set(cfg.pattern) == {"M"} else table["nemotron_h"]
     if cfg.normalization == "LayerNorm" or cfg.position_embedding_type == "learned_absolute":
         return table["gpt2"]
     if cfg.qk_layernorm:
