@@ -12,15 +12,15 @@ from typing import Literal, Optional, Union
 from meshtron.config.fields import ConfigError, check, option
 from meshtron.config.hybrid import check_pattern, pattern_from_ratios
 
-LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP", "M": "Mamba-2"}
+LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP", "M": "Mamba-2", "E": "mixture of experts"}
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     """The network: layer pattern, widths, attention, positions, MLP, Mamba, initialisation."""
 
-    layer_pattern: str = option("", "Sublayer symbols in order: '*' attention, '-' MLP, 'M' Mamba-2; empty derives "
-                                    "it from hybrid_num_sublayers and the ratios, else '*-' * num_layers")
+    layer_pattern: str = option("", "Sublayer symbols in order: '*' attention, '-' MLP, 'M' Mamba-2, 'E' MoE; empty derives "
+                                    "it from hybrid_num_sublayers and the ratios, else '*-' * num_layers ('*E' for the MoE layers of moe_layer_freq)")
     num_layers: int = option(4, "Transformer layers (attention + MLP) when layer_pattern is empty")
     hybrid_num_sublayers: Optional[int] = option(
         None, "Hybrid: total sublayers of a pattern derived from hybrid_attention_ratio and hybrid_mlp_ratio (the "
@@ -97,6 +97,43 @@ class ModelConfig:
     scaled_init: bool = option(True, "Scale output-projection init by 1/sqrt(2 * num_layers)")
     attention_dropout: float = option(0.0, "Dropout on attention probabilities")
     hidden_dropout: float = option(0.0, "Dropout on each sublayer's output before the residual add")
+    # ---- mixture of experts (docs/moe.md); Megatron-LM names -----------------------------------
+    num_moe_experts: Optional[int] = option(None, "Routed experts per MoE sublayer ('E'); null: no MoE")
+    moe_layer_freq: Union[int, list[int]] = option(
+        1, "Derived pattern: N makes every N-th layer MoE (layers 0, N, 2N..); a list gives each layer 1 (MoE) or "
+           "0 (dense), e.g. DeepSeek's dense first layers")
+    moe_ffn_hidden_size: Optional[int] = option(None, "Inner width of each routed expert; null means ffn_hidden_size")
+    moe_shared_expert_intermediate_size: Optional[int] = option(
+        None, "Inner width of the shared experts (one MLP every token passes through); null: none")
+    moe_shared_expert_gate: bool = option(False, "Scale the shared experts' output by sigmoid(x w) (Qwen2-MoE)")
+    moe_router_type: str = option("topk", "Router by registered name (meshtron.nn.moe.register_router adds one)")
+    moe_router_topk: int = option(2, "Experts per token")
+    moe_router_score_function: Literal["softmax", "sigmoid"] = option("softmax", "Router score function")
+    moe_router_pre_softmax: bool = option(
+        False, "Softmax: pick the top-k of the softmax over all experts and keep those weights; false: softmax "
+               "over the k picked logits (weights sum to 1)")
+    moe_router_topk_scaling_factor: Optional[float] = option(None, "Multiply the top-k weights by this (DeepSeek-V3: 2.5)")
+    moe_router_num_groups: Optional[int] = option(None, "Group-limited routing: expert groups (DeepSeek n_group)")
+    moe_router_group_topk: Optional[int] = option(None, "Group-limited routing: groups a token may use (topk_group)")
+    moe_router_dtype: Literal["fp32", "input"] = option("fp32", "Router logits and scores in fp32, or the input dtype")
+    moe_router_add_bias: bool = option(False, "A learned bias in the router's linear layer (GPT-OSS)")
+    moe_input_jitter_eps: Optional[float] = option(
+        None, "Training: multiply router inputs by uniform noise in [1-eps, 1+eps] (input dtype); null: off")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = option(
+        "aux_loss", "Balancing loss: over the micro-batch (aux_loss), per sequence (seq_aux_loss, DeepSeek-V3), none")
+    moe_aux_loss_coeff: float = option(0.01, "Weight of the load-balancing loss (0 disables it)")
+    moe_z_loss_coeff: Optional[float] = option(None, "Weight of the router z-loss mean(logsumexp(logits)^2); null: off")
+    moe_router_enable_expert_bias: bool = option(
+        False, "Auxiliary-loss-free balancing: a per-expert bias added to the scores when picking, updated each step")
+    moe_router_bias_update_rate: float = option(1e-3, "Expert bias step: bias += rate * sign(mean load - load)")
+    moe_expert_capacity_factor: Optional[float] = option(
+        None, "Capacity per expert = ceil(tokens * topk / experts * factor); excess choices are dropped; null: dropless")
+    moe_token_drop_policy: Literal["probs", "position"] = option(
+        "probs", "Over capacity, keep the highest-probability tokens (probs) or the earliest (position)")
+    moe_router_padding_for_quantization: bool = option(
+        False, "Pad the routing map so each expert's token count is a multiple of moe_router_padding_alignment")
+    moe_router_padding_alignment: int = option(16, "Alignment of expert token counts when padding (16/32/64/128)")
+    moe_grouped_gemm: bool = option(True, "Experts as grouped GEMMs (torch._grouped_mm) where supported; else a loop")
 
     @property
     def pattern(self) -> str:
@@ -104,7 +141,9 @@ class ModelConfig:
             return self.layer_pattern
         if self.hybrid_num_sublayers:
             return pattern_from_ratios(self.hybrid_num_sublayers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
-        return "*-" * self.num_layers
+        if self.num_moe_experts is None:
+            return "*-" * self.num_layers
+        return "".join("*E" if self.is_moe_layer(i) else "*-" for i in range(self.num_layers))
 
     @property
     def mamba_heads(self) -> int:
@@ -114,6 +153,17 @@ class ModelConfig:
     def mamba_inner_size(self) -> int:
         """Channels of the SSM input x, the gate z and the gated norm: heads x head_dim."""
         return self.mamba_heads * self.mamba_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether derived layer `layer` (0-based) gets an MoE sublayer under moe_layer_freq."""
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return layer % freq == 0
+        return bool(freq[layer])
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     @property
     def head_dim(self) -> int:
@@ -177,6 +227,7 @@ class ModelConfig:
         self._validate_mamba()
         self._validate_attention()
         self._validate_mlp_and_mtp()
+        self._validate_moe()
 
     def _validate_hybrid(self) -> None:
         n = self.hybrid_num_sublayers
@@ -266,6 +317,50 @@ class ModelConfig:
         check(self.mtp_num_layers >= 0, "model.mtp_num_layers", self.mtp_num_layers, "must be >= 0")
         check(self.mtp_loss_scaling_factor >= 0, "model.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor,
               "must be >= 0")
+
+    def _validate_moe(self) -> None:
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            check(freq >= 1, "model.moe_layer_freq", freq, "must be >= 1 or a list of 0/1 per layer")
+        elif not self.layer_pattern:
+            check(len(freq) == self.num_layers and all(v in (0, 1) for v in freq), "model.moe_layer_freq", freq,
+                  f"give one 0 (dense) or 1 (MoE) per layer ({self.num_layers} of them)")
+        E = self.num_moe_experts
+        if E is None:
+            check("E" not in self.pattern, "model.num_moe_experts", E, "'E' in the layer pattern needs the number of experts")
+            return
+        check(E >= 1, "model.num_moe_experts", E, "must be >= 1 or null")
+        check(1 <= self.moe_router_topk <= E, "model.moe_router_topk", self.moe_router_topk,
+              f"must be in [1, num_moe_experts={E}]")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            v = getattr(self, name)
+            check(v is None or v >= 1, f"model.{name}", v, "must be >= 1 or null")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        check((groups is None) == (group_topk is None), "model.moe_router_group_topk", group_topk,
+              "set moe_router_num_groups and moe_router_group_topk together (or neither)")
+        if groups is not None:
+            check(groups >= 1 and E % groups == 0, "model.moe_router_num_groups", groups,
+                  f"must divide num_moe_experts={E}")
+            check(1 <= group_topk <= groups and self.moe_router_topk % group_topk == 0, "model.moe_router_group_topk",
+                  group_topk, f"must be in [1, moe_router_num_groups={groups}] and divide moe_router_topk")
+            check(self.moe_router_topk <= group_topk * (E // groups), "model.moe_router_topk", self.moe_router_topk,
+                  "exceeds the experts of the eligible groups (group_topk * experts per group)")
+        if self.moe_router_topk_scaling_factor is not None:
+            check(self.moe_router_topk_scaling_factor > 0, "model.moe_router_topk_scaling_factor",
+                  self.moe_router_topk_scaling_factor, "must be > 0 or null")
+        if self.moe_input_jitter_eps is not None:
+            check(0 < self.moe_input_jitter_eps < 1, "model.moe_input_jitter_eps", self.moe_input_jitter_eps,
+                  "must be in (0, 1) or null")
+        check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0")
+        if self.moe_z_loss_coeff is not None:
+            check(self.moe_z_loss_coeff >= 0, "model.moe_z_loss_coeff", self.moe_z_loss_coeff, "must be >= 0 or null")
+        check(self.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate",
+              self.moe_router_bias_update_rate, "must be >= 0")
+        if self.moe_expert_capacity_factor is not None:
+            check(self.moe_expert_capacity_factor > 0, "model.moe_expert_capacity_factor",
+                  self.moe_expert_capacity_factor, "must be > 0 or null (dropless)")
+        check(self.moe_router_padding_alignment >= 1, "model.moe_router_padding_alignment",
+              self.moe_router_padding_alignment, "must be >= 1")
 
 
 @dataclass(kw_only=True)

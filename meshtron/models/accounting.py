@@ -65,6 +65,31 @@ def mlp_params(cfg: ModelConfig) -> int:
     return total
 
 
+def moe_matmul_params(cfg: ModelConfig, active: bool) -> int:
+    """Matmul weights of one MoE mixer: the router, the shared experts and all routed experts, or
+    (active) only the moe_router_topk experts a token uses."""
+    gated = 3 if is_gated(cfg.activation) else 2
+    experts = cfg.moe_router_topk if active else cfg.num_moe_experts
+    total = cfg.hidden_size * cfg.num_moe_experts + experts * gated * cfg.hidden_size * cfg.moe_ffn_size
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        total += gated * cfg.hidden_size * shared + (cfg.hidden_size if cfg.moe_shared_expert_gate else 0)
+    return total
+
+
+def moe_params(cfg: ModelConfig) -> int:
+    """All parameters of one MoE mixer (expert biases follow add_bias_linear, like the dense MLP)."""
+    total = moe_matmul_params(cfg, active=False)
+    E, gated, d = cfg.num_moe_experts, is_gated(cfg.activation), cfg.hidden_size
+    if cfg.add_bias_linear:
+        total += E * ((2 if gated else 1) * cfg.moe_ffn_size + d)
+        if cfg.moe_shared_expert_intermediate_size:
+            total += (2 if gated else 1) * cfg.moe_shared_expert_intermediate_size + d
+    if cfg.moe_router_add_bias:
+        total += E
+    return total
+
+
 def mamba_matmul_params(cfg: ModelConfig) -> int:
     """Weights of one Mamba mixer's projections: z, x, B, C, dt in and the output back."""
     d, inner, bc = cfg.hidden_size, cfg.mamba_inner_size, cfg.mamba_num_groups * cfg.mamba_state_dim
@@ -94,10 +119,12 @@ def mamba_scan_flops(cfg: ModelConfig, seq_length: int) -> float:
 
 
 def _sublayer_params(cfg: ModelConfig, symbol: str) -> int:
-    return {"*": attention_params, "-": mlp_params, "M": mamba_params}[symbol](cfg)
+    return {"*": attention_params, "-": mlp_params, "M": mamba_params, "E": moe_params}[symbol](cfg)
 
 
 def _sublayer_matmul_params(cfg: ModelConfig, symbol: str) -> int:
+    if symbol == "E":
+        return moe_matmul_params(cfg, active=True)
     return {"*": attention_matmul_params, "-": mlp_matmul_params, "M": mamba_matmul_params}[symbol](cfg)
 
 
@@ -133,8 +160,8 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float
 
     forward = 2 * P_matmul + sum over attention sublayers of 2 * keys * heads * (qk_dim + v_dim)
     where P_matmul counts every weight used in a matmul (sublayer projections and the output head,
-    not the embedding lookup), and keys is the sequence length (the window for windowed layers;
-    no halving for causality). With head_dim for both qk and v this is the familiar
+    not the embedding lookup; of an MoE sublayer the router, shared experts and top-k experts), and
+    keys is the sequence length (the window for windowed layers; no halving for causality). With head_dim for both qk and v this is the familiar
     training = 6 * P_matmul + 12 * n_attn * seq * heads * head_dim. Mamba sublayers add their scan
     (`mamba_scan_flops`). MTP depths add their projection, sublayers and one more pass through the
     output head.

@@ -1,6 +1,6 @@
 """Residual sublayers: x = x + dropout(f(norm(x), ctx)) for one symbol of the layer pattern, and the
 builder that turns a `ModelConfig` into the mixer f ('*' attention: GQA or multi-latent; '-' MLP;
-'M' Mamba-2).
+'M' Mamba-2; 'E' mixture of experts).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from meshtron.nn.attention import Attention
 from meshtron.nn.mamba import Mamba2Mixer
 from meshtron.nn.mla import MultiLatentAttention
 from meshtron.nn.mlp import MLP
+from meshtron.nn.moe import MoELayer
 from meshtron.nn.norm import build_norm
 from meshtron.nn.rope_scaling import attention_softmax_scale
 
@@ -51,7 +52,7 @@ def build_mamba(cfg: ModelConfig, layer_id: int) -> nn.Module:
 
 
 class Sublayer(nn.Module):
-    """Pre-norm residual wrapper around one mixer ('*' attention, '-' MLP or 'M' Mamba-2)."""
+'M' Mamba-2; 'E' mixture of experts).
 
     def __init__(self, symbol: str, cfg: ModelConfig, layer_id: int, window_size: Optional[int] = None):
         super().__init__()
@@ -63,6 +64,8 @@ class Sublayer(nn.Module):
             self.mixer = build_mlp(cfg)
         elif symbol == "M":
             self.mixer = build_mamba(cfg, layer_id)
+        elif symbol == "E":
+            self.mixer = MoELayer(cfg)
         else:
             raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}")
         self.dropout = nn.Dropout(cfg.hidden_dropout)

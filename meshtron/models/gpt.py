@@ -48,8 +48,9 @@ class GPTModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, std) weights; output projections scaled by 1/sqrt(2 * depth); zero biases and sink
-        logits; unit norms (set by the norm modules themselves); Mamba's A, D, dt and conv by the mixer."""
+        """Normal(0, std) weights; output projections (expert down projections too) scaled by
+        1/sqrt(2 * depth); zero biases, sink logits and expert-bias buffers; unit norms (set by the
+        norm modules themselves); Mamba's A, D, dt and conv by the mixer."""
         std = self.cfg.init_method_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_transformer_layers) if self.cfg.scaled_init else std
         for name, module in self.named_modules():
@@ -63,6 +64,8 @@ class GPTModel(nn.Module):
                 nn.init.zeros_(module.sinks)
             elif hasattr(module, "reset_ssm_parameters"):
                 module.reset_ssm_parameters()
+            elif hasattr(module, "init_weights"):  # MoE experts and routers (stacked weights)
+                module.init_weights(std, out_std)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Normalised hidden states (batch, seq, hidden) -> logits (batch, seq, vocab)."""

@@ -44,6 +44,17 @@ def is_gated(activation: str) -> bool:
     return ACTIVATIONS[activation][1]
 
 
+def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor,
+          clamp_value: Optional[float] = None, linear_offset: float = 0.0) -> torch.Tensor:
+    """act(min(gate, c)) * (clip(up, -c, c) + offset); without c, act(gate) * (up + offset)."""
+    if clamp_value is not None:
+        gate = gate.clamp(max=clamp_value)
+        up = up.clamp(-clamp_value, clamp_value)
+    if linear_offset != 0.0:
+        up = up + linear_offset
+    return act(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_size: int, activation: str, *, bias: bool = False,
                  clamp_value: Optional[float] = None, linear_offset: float = 0.0):
@@ -59,10 +70,4 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         if self.w_gate is None:
             return self.w_down(self.act(self.w_up(x)))
-        gate, up = self.w_gate(x), self.w_up(x)
-        if self.clamp_value is not None:
-            gate = gate.clamp(max=self.clamp_value)
-            up = up.clamp(-self.clamp_value, self.clamp_value)
-        if self.linear_offset != 0.0:
-            up = up + self.linear_offset
-        return self.w_down(self.act(gate) * up)
+        return self.w_down(gated(self.act, self.w_gate(x), self.w_up(x), self.clamp_value, self.linear_offset))

@@ -30,6 +30,7 @@ from meshtron.models.gpt import GPTModel, count_parameters, flops_per_token
 from meshtron.models.mtp import combine_losses, forward_for_loss
 from meshtron.nn.context import PackedContext
 from meshtron.nn.loss import masked_cross_entropy
+from meshtron.nn.moe.balance import end_of_step, moe_layers, set_aux_loss_scale
 from meshtron.parallel import parallelize_parts
 from meshtron.parallel.clip import clip_grad_norm_
 from meshtron.parallel.dims import ParallelDims
@@ -172,6 +173,8 @@ class Trainer:
         self.model = parts[0] if self.pipeline is None else ModelParts(parts)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, cfg.train.train_iters)
+        self.has_moe = bool(moe_layers(parts))
+        self.moe_details: dict[str, Any] = {}  # per-layer MoE statistics of the last step (logged as kind "moe")
         self.context_parallel = None
         if self.dims.cp > 1:
             from meshtron.parallel.context_parallel import ContextParallel
@@ -233,6 +236,10 @@ class Trainer:
         micro_batches = [self._local_micro_batch(mb) for mb in micro_batches]
         total_tokens = self._global_sum(sum(float(mb["loss_mask"].sum()) for mb in micro_batches))
         inject = (self.step + 1) in self.cfg.train.debug_nonfinite_steps
+        if self.has_moe:
+            # each MoE forward's aux loss enters the objective with weight 1 / (forwards of the step on all
+            # ranks that see different tokens): the objective adds the step's mean aux loss
+            set_aux_loss_scale(self.model_parts, 1.0 / (len(micro_batches) * self.dims.dp * self.dims.cp))
         with self.timers.phase("forward_backward"):
             if self.pipeline is not None:
                 loss_sum = self.pipeline.train_step(micro_batches, total_tokens, inject_nan=inject)
@@ -259,8 +266,22 @@ class Trainer:
             if not skipped:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.has_moe:
+            extra_means.update(self._moe_step_metrics())
         self.step += 1
         return StepResult(self.step, mean_loss, grad_norm, lr, int(total_tokens), skipped, extra_means)
+
+    def _moe_step_metrics(self) -> dict[str, float]:
+        """Reduce this step's MoE statistics over the data ranks, update expert biases (every rank the
+        same), keep the per-layer details for the "moe" log record, return the summary for the step."""
+        reduce = None if self.mesh is None else (lambda t: all_reduce_sum(t, self.group("dp_cp")))
+        metrics = end_of_step(self.model_parts, reduce)
+        self.moe_details = {k: v for k, v in metrics.items() if k.startswith(("moe_load_", "moe_dropped_L"))}
+        summary = {k: v for k, v in metrics.items() if k not in self.moe_details}
+        load_max = [v for k, v in self.moe_details.items() if k.startswith("moe_load_max_")]
+        if load_max:
+            summary["moe_load_max"] = max(load_max)
+        return summary
 
     def _account_nonfinite(self, result: StepResult, logger: MetricsLogger) -> None:
         if not result.skipped:
@@ -396,6 +417,8 @@ class Trainer:
             logger.advance(1, None if result.skipped else result.loss)
             if self.step % self.cfg.logger.log_interval == 0 or self.step == t.train_iters:
                 logger.log(self.step, self._window_metrics(window, window_time, phases))
+                if self.moe_details:
+                    logger.log(self.step, self.moe_details, kind="moe", echo=False)
                 window, window_time = [], 0.0
             if t.eval_interval and self.step % t.eval_interval == 0:
                 metrics = self.evaluate()

@@ -1,0 +1,44 @@
+"""Private PyTorch APIs behind one module: each is used only through a function here that says when it
+applies, so a PyTorch upgrade that moves or changes one is fixed in one place.
+
+`torch._grouped_mm(x, w, offs)` multiplies consecutive row blocks of x (2-D) by the matrices of w (3-D):
+rows offs[g-1]:offs[g] by w[g]. Measured on torch 2.13 (CPU): fp32/bf16/fp16 work forward and backward,
+fp64 is refused, every row stride must be a multiple of 16 bytes, and backward fails on an expanded
+(stride 0) output gradient, so the output passes through `_contiguous_grad`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GROUPED_DTYPES_CPU = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `grouped_mm(x, w, offs)` runs for these operands: x (rows, k), w (groups, k, n)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        ok_dtype = x.dtype in _GROUPED_DTYPES_CPU
+    elif x.device.type == "cuda":
+        # the CUDA kernels take bf16 (fp32 on newer builds goes through a fallback we do not rely on)
+        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+    else:
+        return False
+    size = x.element_size()
+    return ok_dtype and (w.shape[-2] * size) % 16 == 0 and (w.shape[-1] * size) % 16 == 0
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (rows, k) @ w[g] (k, n) for each row block g ending at offs[g] (int32, cumulative) -> (rows, n)."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
