@@ -52,7 +52,7 @@ def build_mamba(cfg: ModelConfig, layer_id: int) -> nn.Module:
 
 
 class Sublayer(nn.Module):
-'M' Mamba-2; 'E' mixture of experts).
+    """Pre-norm residual wrapper around one mixer ('*' attention, '-' MLP, 'M' Mamba-2 or 'E' MoE)."""
 
     def __init__(self, symbol: str, cfg: ModelConfig, layer_id: int, window_size: Optional[int] = None):
         super().__init__()
