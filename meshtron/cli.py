@@ -3,6 +3,7 @@
     meshtron train --config C [--section.field value ...]
     meshtron generate --checkpoint DIR --prompt "def " [--max-new-tokens --temperature --top-k --top-p --seed]
     meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 engine options]
+    meshtron rl --config C [--section.field value ...]
     meshtron bench train [options]
 """
 
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register_convert_commands(sub)
+    from meshtron.rl.commands import register as register_rl_command
+
+    register_rl_command(sub)
     try:
         from meshtron.parallel.plan_command import register as register_plan_command
     except ImportError:

@@ -5,10 +5,12 @@ from meshtron.config.loader import config_from_dict, config_to_dict, load_config
 from meshtron.config.schema import (
     CheckpointConfig,
     DataConfig,
+    EnvConfig,
     LoggerConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    RLConfig,
     RunConfig,
     SchedulerConfig,
     TokenizerConfig,
@@ -16,7 +18,7 @@ from meshtron.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "LoggerConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelConfig", "RunConfig", "SchedulerConfig", "TokenizerConfig", "TrainConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelConfig", "RLConfig", "RunConfig", "SchedulerConfig", "TokenizerConfig", "TrainConfig",
     "config_from_dict", "config_to_dict", "load_config", "save_config",
 ]

@@ -608,6 +608,94 @@ class LoggerConfig:
 
 
 @dataclass(kw_only=True)
+class RLConfig:
+    prompts_per_step: int = option(16, "GRPO: prompts per step (over all data-parallel ranks)")
+    group_size: int = option(8, "GRPO: completions sampled per prompt (advantages are normalised within a group)")
+    max_new_tokens: int = option(16, "Longest completion, in tokens")
+    temperature: float = option(1.0, "Sampling temperature of rollouts (the trainer's log probs use the same)")
+    updates_per_step: int = option(1, "Optimizer steps per rollout batch (it is split into this many mini-batches)")
+    pack_length: int = option(512, "Tokens per packed training row; a prompt plus its completion must fit")
+    aggregation: Literal["sequence_mean", "token_mean", "fixed_length"] = option(
+        "sequence_mean", "Token losses -> loss: sequence_mean (GRPO), token_mean (DAPO), fixed_length (Dr.GRPO)")
+    scale_advantages_by_std: bool = option(True, "Divide group-centred rewards by the group's std (false: Dr.GRPO)")
+    clip_eps_low: float = option(0.2, "PPO clip: the ratio is kept >= 1 - clip_eps_low where the advantage is negative")
+    clip_eps_high: float = option(0.2, "PPO clip: the ratio is kept <= 1 + clip_eps_high where the advantage is "
+                                       "positive (DAPO's clip-higher uses 0.28)")
+    kl_beta: float = option(0.0, "Weight of the k3 KL penalty to the frozen reference (the model as GRPO starts)")
+    entropy_coef: float = option(0.0, "Weight of the entropy bonus")
+    is_truncation: Optional[float] = option(2.0, "Truncated importance sampling: weight tokens by "
+                                                 "min(p_trainer / p_rollout, C) with C this; null turns it off")
+    reward_clip: Optional[float] = option(None, "Clip rewards to [-c, c] before advantages; null leaves them")
+    engine_max_num_seqs: int = option(256, "Rollout engine: most sequences decoded at once")
+    engine_max_num_batched_tokens: int = option(2048, "Rollout engine: token budget of one step")
+    engine_kv_cache_memory_mb: float = option(64.0, "Rollout engine: KV-cache memory, in MiB")
+    engine_block_size: int = option(16, "Rollout engine: tokens per KV-cache block")
+    warmup_steps: int = option(0, "Supervised warm-up steps on the environment's demonstrations before GRPO")
+    warmup_batch_size: int = option(64, "Warm-up: demonstrations per step")
+    warmup_lr: float = option(1e-3, "Warm-up: learning rate (its own Adam, constant after 10 steps of linear warmup)")
+    eval_interval: int = option(10, "Evaluate on held-out problems every N GRPO steps, and before and after (0: "
+                                    "only before and after)")
+    eval_problems: int = option(200, "Held-out problems per evaluation")
+    eval_samples: int = option(4, "Samples per held-out problem for pass@k (0: greedy only)")
+    eval_k: int = option(4, "k of pass@k (<= eval_samples)")
+    eval_temperature: float = option(1.0, "Temperature of the pass@k samples")
+    init_checkpoint: Optional[str] = option(None, "Start from the weights of this checkpoint (a step dir or its parent)")
+
+    def validate(self) -> None:
+        for name in ("prompts_per_step", "max_new_tokens", "updates_per_step", "pack_length", "engine_max_num_seqs",
+                     "engine_max_num_batched_tokens", "engine_block_size", "warmup_batch_size", "eval_problems", "eval_k"):
+            check(getattr(self, name) >= 1, f"rl.{name}", getattr(self, name), "must be >= 1")
+        check(self.group_size >= 2, "rl.group_size", self.group_size, "must be >= 2 (advantages compare samples of a group)")
+        check(self.temperature > 0, "rl.temperature", self.temperature, "must be > 0 (rollouts are sampled)")
+        check(0 <= self.clip_eps_low < 1, "rl.clip_eps_low", self.clip_eps_low, "must be in [0, 1)")
+        check(self.clip_eps_high >= 0, "rl.clip_eps_high", self.clip_eps_high, "must be >= 0")
+        for name in ("kl_beta", "entropy_coef", "warmup_steps", "eval_interval", "eval_samples"):
+            check(getattr(self, name) >= 0, f"rl.{name}", getattr(self, name), "must be >= 0")
+        check(self.is_truncation is None or self.is_truncation > 0, "rl.is_truncation", self.is_truncation,
+              "must be > 0 or null")
+        check(self.reward_clip is None or self.reward_clip > 0, "rl.reward_clip", self.reward_clip, "must be > 0 or null")
+        check(self.warmup_lr > 0, "rl.warmup_lr", self.warmup_lr, "must be > 0")
+        check(self.engine_kv_cache_memory_mb > 0, "rl.engine_kv_cache_memory_mb", self.engine_kv_cache_memory_mb,
+              "must be > 0")
+        check(self.eval_temperature > 0, "rl.eval_temperature", self.eval_temperature, "must be > 0")
+        check(self.eval_samples == 0 or self.eval_k <= self.eval_samples, "rl.eval_k", self.eval_k,
+              f"must be <= rl.eval_samples={self.eval_samples}")
+        check(self.prompts_per_step * self.group_size >= self.updates_per_step, "rl.updates_per_step",
+              self.updates_per_step, "must be <= prompts_per_step * group_size (each mini-batch needs a sequence)")
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    names: list[str] = option(["countdown"], "RL environments: countdown, arithmetic, math (extra 'math'); "
+                                             "several are mixed by env.weights")
+    weights: list[float] = option([], "Mixing weights, one per name; empty weighs them equally")
+    eval_percent: float = option(10.0, "Percent of generated problems held out for evaluation (never trained on)")
+    format_reward: float = option(0.0, "Reward of a well-formed answer with the wrong value (countdown)")
+    countdown_num_numbers: int = option(3, "Countdown: numbers per problem")
+    countdown_max_number: int = option(9, "Countdown: numbers are drawn from 1..this")
+    countdown_max_target: int = option(100, "Countdown: largest target")
+    countdown_operators: str = option("+-*", "Countdown: operators of the generated expressions, some of '+-*/'")
+    arithmetic_num_operations: int = option(2, "Arithmetic: operations per expression")
+    arithmetic_max_number: int = option(20, "Arithmetic: operands are drawn from 0..this")
+    math_path: Optional[str] = option(None, "Math: JSONL of {problem, answer}; null generates fraction sums")
+    train_size: int = option(10_000_000, "Problems in the training stream (generated on demand)")
+
+    def validate(self) -> None:
+        check(bool(self.names), "env.names", self.names, "name at least one environment")
+        check(not self.weights or len(self.weights) == len(self.names), "env.weights", self.weights,
+              f"give one weight per name ({len(self.names)}) or none")
+        check(all(w >= 0 for w in self.weights) and (not self.weights or sum(self.weights) > 0), "env.weights",
+              self.weights, "weights must be non-negative with a positive sum")
+        check(0 < self.eval_percent < 100, "env.eval_percent", self.eval_percent, "must be in (0, 100)")
+        check(self.countdown_num_numbers >= 2, "env.countdown_num_numbers", self.countdown_num_numbers, "must be >= 2")
+        for name in ("countdown_max_number", "countdown_max_target", "arithmetic_num_operations",
+                     "arithmetic_max_number", "train_size"):
+            check(getattr(self, name) >= 1, f"env.{name}", getattr(self, name), "must be >= 1")
+        check(bool(self.countdown_operators) and set(self.countdown_operators) <= set("+-*/"),
+              "env.countdown_operators", self.countdown_operators, "use some of '+-*/'")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """Everything a run needs: one section per component (the top-level keys of a YAML config)."""
 
@@ -620,6 +708,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def validate(self, world_size: int = 1) -> None:
         """Check every section, then the fields that depend on each other."""

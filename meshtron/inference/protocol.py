@@ -1,8 +1,8 @@
 """The OpenAI-compatible wire format: request bodies (pydantic) and response/chunk dictionaries.
 
-Standard fields follow the OpenAI API; `top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are
-meshtron extensions (the official client passes them through `extra_body`). Parameters meshtron
-does not implement are refused with a 400 naming them, rather than silently ignored.
+Standard fields follow the OpenAI API; `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
+`logprobs_mode` and (completions) `return_tokens_as_token_ids` are meshtron extensions (the official
+client passes them through `extra_body`). Parameters meshtron does not implement are refused with a 400 naming them, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class _Common(BaseModel):
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    logprobs_mode: str = "raw"  # meshtron: 'processed' reports log probs of the sampled (tempered) distribution
 
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "logit_bias", "service_tier", "store", "metadata", "parallel_tool_calls")
 
@@ -59,7 +60,8 @@ class _Common(BaseModel):
             max_tokens=default_max_tokens if max_tokens is None else max_tokens, temperature=self.temperature,
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + index, stop_token_ids=tuple(self.stop_token_ids),
-            stop=stop, ignore_eos=self.ignore_eos, return_log_probs=return_log_probs, top_log_probs=top_log_probs)
+            stop=stop, ignore_eos=self.ignore_eos, return_log_probs=return_log_probs, top_log_probs=top_log_probs,
+            logprobs_mode=self.logprobs_mode)
 
 
 class CompletionRequest(_Common):
@@ -67,6 +69,7 @@ class CompletionRequest(_Common):
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs tokens read "token_id:N"
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
@@ -104,11 +107,13 @@ def finish_reason(out: RequestOutput) -> Optional[str]:
     return out.finish_reason if out.finished else None
 
 
-def completion_log_probs(tokenizer, items: list[TokenLogProbs], offset: int) -> Optional[dict[str, Any]]:
-    """The legacy completions `logprobs` object for the tokens in `items`."""
+def completion_log_probs(tokenizer, items: list[TokenLogProbs], offset: int,
+                         as_token_ids: bool = False) -> Optional[dict[str, Any]]:
+    """The legacy completions `logprobs` object for the tokens in `items` (tokens as "token_id:N"
+    with `as_token_ids`, so a client gets the exact ids, as vLLM's return_tokens_as_token_ids)."""
     if not items:
         return None
-    tokens = [tokenizer.decode([lp.token_id]) for lp in items]
+    tokens = [f"token_id:{lp.token_id}" if as_token_ids else tokenizer.decode([lp.token_id]) for lp in items]
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)

@@ -71,6 +71,9 @@ class SamplingParams:
     ignore_eos: bool = False
     return_log_probs: bool = False
     top_log_probs: int = 0  # with return_log_probs: also the n most likely tokens at each step
+    # 'raw': log probs of the model's distribution (OpenAI's convention); 'processed': of the
+    # distribution actually sampled from (after temperature, top-k/p, min-p), as RL needs them
+    logprobs_mode: str = "raw"
 
     MAX_TOP_LOG_PROBS = 20
 
@@ -95,6 +98,8 @@ class SamplingParams:
         need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
              f"{self.top_k} is not allowed; must be an integer >= 0 (0 keeps all)")
         need(0 <= self.min_p <= 1, "min_p", f"{self.min_p} is not allowed; must be in [0, 1]")
+        need(self.logprobs_mode in ("raw", "processed"), "logprobs_mode",
+             f"{self.logprobs_mode!r} is not allowed; choose raw or processed")
         need(0 <= self.top_log_probs <= self.MAX_TOP_LOG_PROBS, "top_log_probs",
              f"{self.top_log_probs} is not allowed; must be in [0, {self.MAX_TOP_LOG_PROBS}]")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]

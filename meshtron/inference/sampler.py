@@ -4,7 +4,8 @@ Filters run row-wise on the whole batch (temperature, top-k, top-p, min-p), so a
 not depend on the rows beside it; the random draw uses the request's own `torch.Generator`, so a
 seeded request samples the same tokens whatever it is batched with. Greedy rows take the argmax.
 Log probabilities, when asked for, are those of the model's raw distribution (before temperature
-and filtering), as OpenAI reports them.
+and filtering), as OpenAI reports them; with `logprobs_mode='processed'` those of the distribution
+sampled from (after temperature and filtering; a greedy row keeps the raw ones).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     logits = logits.float()
     token_ids = logits.argmax(-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    log_prob_logits = logits
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
@@ -46,7 +48,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         probs = scaled.softmax(-1)
         for j, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    log_probs = _log_probs(logits, token_ids, params)
+        processed = [j for j, i in enumerate(random_rows) if params[i].return_log_probs
+                     and params[i].logprobs_mode == "processed"]
+        if processed:
+            log_prob_logits = logits.clone()
+            log_prob_logits[index[processed]] = scaled[processed]
+    log_probs = _log_probs(log_prob_logits, token_ids, params)
     ids = token_ids.tolist()
     return {req_id: SampledToken(ids[i], log_probs[i]) for i, req_id in enumerate(req_ids)}
 

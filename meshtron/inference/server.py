@@ -165,7 +165,8 @@ def _install_completion_routes(app: FastAPI, state: ServerState) -> None:
             return _sse(_completion_chunks(run, body, response_id, echoes), response_id)
         outputs = await run.collect()
         choices = [{"index": i, "text": echoes[i] + o.text, "finish_reason": o.finish_reason,
-                    "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]))}
+                    "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]),
+                                                     body.return_tokens_as_token_ids)}
                    for i, o in enumerate(outputs)]
         return _json(envelope("text_completion", response_id, engine.model_name, choices,
                               {"usage": usage(outputs, body.n)}), response_id)
@@ -274,7 +275,8 @@ async def _completion_chunks(run: _Run, body: CompletionRequest, response_id: st
             started.add(index)
             offset = len(out.text) - len(out.new_text) + len(echoes[index])
             choice = {"index": index, "text": text, "finish_reason": finish_reason(out),
-                      "logprobs": completion_log_probs(engine.tokenizer, out.new_log_probs, offset)}
+                      "logprobs": completion_log_probs(engine.tokenizer, out.new_log_probs, offset,
+                                                       body.return_tokens_as_token_ids)}
             yield envelope("text_completion", response_id, engine.model_name, [choice])
     finally:
         await outputs.aclose()

@@ -1,0 +1,31 @@
+"""`meshtron rl --config C [--section.field value ...]`: GRPO from a config (see docs/rl.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    from meshtron.config.loader import load_config, overrides_from_args
+    from meshtron.rl.plot import write_reward_plot
+    from meshtron.rl.trainer import GRPOTrainer
+
+    cfg = load_config(args.config, overrides_from_args(args))
+    trainer = GRPOTrainer(cfg)
+    trainer.train()
+    if trainer.rank == 0:
+        png = write_reward_plot(trainer.run_dir / "reward_curve.csv", trainer.run_dir / "reward_curve.png")
+        if png is not None:
+            print(f"reward curve: {png}")
+    return 0
+
+
+def register(sub) -> None:
+    from meshtron.config.loader import add_config_arguments
+
+    rl = sub.add_parser("rl", help="reinforcement learning (GRPO) from a config",
+                        description="GRPO: rollouts from the in-process engine, verifiable rewards, policy updates. "
+                                    "Every config field is a flag --section.field; the rl and env sections hold "
+                                    "the RL settings.")
+    add_config_arguments(rl)
+    rl.set_defaults(func=cmd_rl)

@@ -1,0 +1,200 @@
+"""The inference interface of RL: `.generate(prompts, sampling)` -> text, token ids and per-token log
+probabilities, from one of several backends.
+
+- `EngineBackend`: the in-process meshtron `LLMEngine` running the trained model itself — the same
+  `nn.Module` and parameter tensors, no copy, no conversion. Optimizer steps change the weights in
+  place, so the engine's cached keys/values (and its prefix cache) go stale: `suspend()` frees them
+  before training and `resume()` starts from an empty cache after.
+- `OpenAIBackend`: any OpenAI-compatible `/v1/completions` endpoint (meshtron serve, vLLM); token
+  ids come from `return_tokens_as_token_ids`, tempered log probs from meshtron's `logprobs_mode`
+  extension (sent only when the temperature is not 0 or 1). It samples whatever weights the server holds.
+- `TransformersBackend` (optional): a Hugging Face causal LM's `generate`.
+- `CoordinatorBackend`: data-parallel engines behind `meshtron.inference.coordinator`.
+Every backend takes `meshtron.inference.request.SamplingParams`; log probs are those of the
+distribution sampled from (temperature applied), the quantity the GRPO ratio needs.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Optional, Protocol, Union
+
+import torch
+
+from meshtron.inference.request import SamplingParams
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class Generation:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the completion, including a final end-of-document token when it stopped on one
+    log_probs: list[float]  # one per completion token
+    text: str
+    finish_reason: Optional[str] = None
+
+
+class InferenceBackend(Protocol):
+    def generate(self, prompts: list[Prompt], sampling: Union[SamplingParams, list[SamplingParams]]
+                 ) -> list[Generation]: ...
+
+    def suspend(self) -> None: ...  # weights are about to change: drop everything computed from them
+
+    def resume(self) -> None: ...
+
+
+def _per_prompt(sampling: Union[SamplingParams, list[SamplingParams]], n: int) -> list[SamplingParams]:
+    params = sampling if isinstance(sampling, list) else [sampling] * n
+    return [replace(p, return_log_probs=True, logprobs_mode="processed") for p in params]
+
+
+class EngineBackend:
+    """Rollouts from an `LLMEngine` built on the trained model (its parameters, not a copy)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config=None):
+        from meshtron.inference.engine import LLMEngine
+
+        self.model = model
+        was_training = model.training
+        self.engine = LLMEngine(model, tokenizer, config)
+        model.train(was_training)
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        if self.engine.is_suspended:
+            self.engine.resume()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            outputs = self.engine.generate(list(prompts), _per_prompt(sampling, len(prompts)))
+        finally:
+            self.model.train(was_training)
+        failed = [o for o in outputs if o.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"rollout {failed[0].req_id} failed in the engine: {failed[0].error}")
+        return [Generation(o.prompt_token_ids, list(o.token_ids), [lp.log_prob for lp in o.log_probs], o.text,
+                           o.finish_reason) for o in outputs]
+
+    def suspend(self) -> None:
+        """Free the KV cache and forget the prefix cache (its keys/values came from the old weights)."""
+        self.engine.suspend()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+
+class OpenAIBackend:
+    """Completions from an OpenAI-compatible server, `concurrency` requests at a time."""
+
+    def __init__(self, base_url: str, model: str = "", tokenizer=None, concurrency: int = 16,
+                 timeout_s: float = 600.0):
+        base = base_url.rstrip("/")
+        self.url = base + ("/completions" if base.endswith("/v1") else "/v1/completions")
+        self.model, self.tokenizer = model, tokenizer
+        self.concurrency, self.timeout_s = concurrency, timeout_s
+
+    def _one(self, prompt: Prompt, p: SamplingParams) -> Generation:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": p.max_tokens, "temperature": p.temperature,
+                "top_p": p.top_p, "logprobs": 1, "return_tokens_as_token_ids": True}
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.top_k:
+            body["top_k"] = p.top_k
+        if p.stop_token_ids:
+            body["stop_token_ids"] = list(p.stop_token_ids)
+        if p.temperature not in (0.0, 1.0):  # the sampled distribution differs from the raw one
+            body["logprobs_mode"] = "processed"
+        request = urllib.request.Request(self.url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            choice = json.loads(response.read())["choices"][0]
+        lp = choice.get("logprobs") or {"tokens": [], "token_logprobs": []}
+        ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+        prompt_ids = prompt if isinstance(prompt, list) else (self.tokenizer.encode(prompt) if self.tokenizer else [])
+        return Generation(list(prompt_ids), ids, [float(x) for x in lp["token_logprobs"]], choice["text"],
+                          choice.get("finish_reason"))
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        params = _per_prompt(sampling, len(prompts))
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._one, prompts, params))
+
+    def suspend(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+class TransformersBackend:
+    """Sampling with a Hugging Face causal LM (`transformers`, optional); log probs from its logits."""
+
+    def __init__(self, model, tokenizer, eos_token_id: Optional[int] = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eod_id", None)
+
+    @torch.no_grad()
+    def _one(self, prompt: Prompt, p: SamplingParams) -> Generation:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        device = next(self.model.parameters()).device
+        generator_args = {"do_sample": not p.greedy, "max_new_tokens": p.max_tokens, "output_logits": True,
+                          "return_dict_in_generate": True, "eos_token_id": self.eos_token_id,
+                          "pad_token_id": self.eos_token_id if self.eos_token_id is not None else 0}
+        if not p.greedy:
+            generator_args.update(temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p)
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        out = self.model.generate(torch.tensor([ids], device=device), **generator_args)
+        new = out.sequences[0, len(ids):].tolist()
+        temperature = 1.0 if p.greedy else p.temperature
+        log_probs = [float((logits[0].float() / temperature).log_softmax(-1)[t]) for logits, t in zip(out.logits, new)]
+        finish = "stop" if new and new[-1] == self.eos_token_id else "length"
+        text_ids = new[:-1] if finish == "stop" else new
+        return Generation(ids, new, log_probs, self.tokenizer.decode(text_ids), finish)
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return [self._one(prompt, p) for prompt, p in zip(prompts, _per_prompt(sampling, len(prompts)))]
+        finally:
+            self.model.train(was_training)
+
+    def suspend(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+class CoordinatorBackend:
+    """Rollouts spread over data-parallel engine workers through a coordinator (round robin)."""
+
+    def __init__(self, address: str, tokenizer=None, timeout_s: float = 600.0):
+        from meshtron.inference.coordinator import CoordinatorClient
+
+        self.client, self.tokenizer, self.timeout_s = CoordinatorClient(address, timeout_s), tokenizer, timeout_s
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        payloads = []
+        for prompt, p in zip(prompts, _per_prompt(sampling, len(prompts))):
+            fields = {k: v for k, v in vars(p).items() if not k.startswith("_")}
+            payloads.append({"prompt": prompt, "sampling": fields})
+        out = []
+        for r in self.client.request_many(payloads, self.timeout_s):
+            if r.error:
+                raise RuntimeError(f"rollout {r.req_id} failed on {r.worker}: {r.error}")
+            res = r.result
+            out.append(Generation(res["prompt_token_ids"], res["token_ids"], res["log_probs"], res["text"],
+                                  res["finish_reason"]))
+        return out
+
+    def suspend(self) -> None:
+        self.client.control("SUSPEND")
+
+    def resume(self) -> None:
+        self.client.control("RESUME")

@@ -1,0 +1,265 @@
+"""The GRPO loop: build model, tokenizer, environment, rollout engine and optimizer from a `RunConfig`,
+optionally warm up on demonstrations, then repeat
+    rollouts (engine, in process) -> rewards -> advantages -> suspend the engine -> K optimizer steps
+    -> (the engine resumes with an empty cache on the next rollouts) -> metrics -> eval -> checkpoint.
+
+Under torchrun every rank holds the whole model, generates its share of the prompts with its own
+engine, and the gradients are summed over ranks (the loss carries global normalisers), so the
+weights stay identical. Tensor, pipeline, context and expert parallel layouts are refused: the
+in-process engine needs the whole model on every rank.
+
+The RL state saved in a checkpoint: model, optimizer, GRPO step and optimizer-step counts, the
+position in the prompt stream, RNG states and (with a KL penalty) the reference weights. Rollout
+seeds derive from (seed, step, prompt, sample), so a resumed run draws the same rollouts.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from meshtron.checkpoint import CheckpointManager, load_checkpoint
+from meshtron.config.fields import ConfigError
+from meshtron.config.loader import config_to_dict, save_config
+from meshtron.config.schema import RunConfig, SchedulerConfig
+from meshtron.data.tokenizer import build_tokenizer
+from meshtron.inference.config import EngineConfig
+from meshtron.inference.request import SamplingParams
+from meshtron.models.gpt import GPTModel, count_parameters
+from meshtron.parallel.distributed import init_distributed
+from meshtron.rl.environments import build_environment
+from meshtron.rl.grpo import GRPOUpdate, all_reduce, assign_advantages, split_mini_batches, supervised_step
+from meshtron.rl.inference import EngineBackend
+from meshtron.rl.loss import token_weights, zero_variance_fraction
+from meshtron.rl.packing import TrainSequence
+from meshtron.rl.rollout import evaluate, generate_groups, pass_at_k
+from meshtron.training.lr_schedule import LRSchedule
+from meshtron.training.metrics import MetricsLogger
+from meshtron.training.optimizer import build_optimizer
+from meshtron.training.trainer import resolve_device, rng_state, seed_everything, set_rng_state
+
+CURVE_FIELDS = ("step", "reward_mean", "reward_std", "greedy_success", "pass_at_k")
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg, rl, t = cfg, cfg.rl, cfg.train
+        if t.num_threads is not None:
+            torch.set_num_threads(t.num_threads)
+        self.device = resolve_device(t.device)
+        self.run_dir = Path(t.run_dir)
+        self._setup_distributed()
+        seed_everything(t.seed)
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        self.env = build_environment(cfg.env)
+        self.model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        if rl.init_checkpoint:
+            load_checkpoint(rl.init_checkpoint, self.model)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, t.train_iters * rl.updates_per_step)
+        self.backend = EngineBackend(self.model, self.tokenizer, EngineConfig(
+            block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
+            max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
+            device=self.device.type, seed=t.seed))
+        self.ref_model: Optional[torch.nn.Module] = None
+        self.step = self.optimizer_steps = self.consumed_prompts = 0
+        self.warmup_done = rl.warmup_steps == 0
+        self.train_problems = self.env.get_dataset("train", cfg.env.train_size, seed=t.seed)
+        self.eval_problems = self.env.get_dataset("eval", rl.eval_problems, seed=t.seed)
+        self.checkpoints = CheckpointManager(cfg.checkpoint.save or self.run_dir / "checkpoints",
+                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                             timeout_s=cfg.parallel.timeout_s)
+        if cfg.checkpoint.load:
+            self.load(cfg.checkpoint.load)
+        self.history: list[dict[str, Any]] = []
+
+    def _setup_distributed(self) -> None:
+        p, rl = self.cfg.parallel, self.cfg.rl
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(p, name) != 1:
+                raise ConfigError(f"parallel.{name}: {getattr(p, name)} is not allowed for meshtron rl; the in-process "
+                                  "rollout engine needs the whole model on every rank: use data parallelism only")
+        self.world_size = init_distributed(self.device, p.timeout_s)
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        for name in ("prompts_per_step", "eval_problems"):
+            if getattr(rl, name) % self.world_size:
+                raise ConfigError(f"rl.{name}: {getattr(rl, name)} is not allowed; must be a multiple of the number "
+                                  f"of processes ({self.world_size})")
+
+    # ---- phases --------------------------------------------------------------------------------
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.cfg.rl.max_new_tokens, temperature=self.cfg.rl.temperature)
+
+    def warmup(self, logger: MetricsLogger) -> None:
+        """Supervised steps on the environment's demonstrations (prompt -> solution + end of document)."""
+        rl, t = self.cfg.rl, self.cfg.train
+        optimizer = build_optimizer(self.model, replace(self.cfg.optimizer, lr=rl.warmup_lr))
+        schedule = LRSchedule(rl.warmup_lr, SchedulerConfig(warmup_steps=min(10, rl.warmup_steps), decay_style="cosine",
+                                                             min_lr=rl.warmup_lr * 0.1), rl.warmup_steps)
+        problems = self.env.get_dataset("train", rl.warmup_steps * rl.warmup_batch_size, seed=t.seed + 1)
+        local = rl.warmup_batch_size // self.world_size
+        eod = self.tokenizer.eod_id
+        for step in range(1, rl.warmup_steps + 1):
+            start = (step - 1) * rl.warmup_batch_size + self.rank * local
+            batch = [problems[i] for i in range(start, start + local)]
+            prompts = [self.tokenizer.encode(self.env.get_prompt(p)) for p in batch]
+            answers = [self.tokenizer.encode(p.solution) + [eod] for p in batch]
+            total = all_reduce([float(sum(map(len, answers)))])[0]
+            weights = token_weights([len(a) for a in answers], "token_mean", rl.max_new_tokens, int(total))
+            seqs = [TrainSequence(p + a, len(p), w) for p, a, w in zip(prompts, answers, weights)]
+            metrics = supervised_step(self.model, optimizer, seqs, rl.pack_length, self.tokenizer.pad_id,
+                                      t.micro_batch_size, self.device, schedule(step), self.cfg.optimizer.clip_grad)
+            if step % self.cfg.logger.log_interval == 0 or step == rl.warmup_steps:
+                logger.log(step, metrics, kind="warmup")
+        self.backend.suspend()  # the prefix cache holds keys/values of the weights before the warm-up
+        self.warmup_done = True
+
+    def evaluate(self) -> dict[str, float]:
+        rl = self.cfg.rl
+        mine = [self.eval_problems[i] for i in range(self.rank, len(self.eval_problems), self.world_size)]
+        out = evaluate(self.backend, self.env, self.tokenizer, mine, rl.max_new_tokens, rl.eval_samples, rl.eval_k,
+                       rl.eval_temperature, seed=self.cfg.train.seed)
+        keys = sorted(out)
+        sums = all_reduce([out[k] * len(mine) for k in keys])
+        return {k: v / len(self.eval_problems) for k, v in zip(keys, sums)}
+
+    def grpo_step(self) -> dict[str, float]:
+        rl = self.cfg.rl
+        local = rl.prompts_per_step // self.world_size
+        first = self.consumed_prompts + self.rank * local
+        problems = [self.train_problems[(first + i) % len(self.train_problems)] for i in range(local)]
+        t0 = time.perf_counter()
+        rollouts = generate_groups(self.backend, self.env, self.tokenizer, problems, rl.group_size, self.sampling(),
+                                   self.cfg.train.seed, self.step, first_group=first)
+        rollout_s = time.perf_counter() - t0
+        rewards = assign_advantages(rollouts, rl.group_size, rl.scale_advantages_by_std, rl.reward_clip)
+        self.backend.suspend()  # frees the KV cache; the old weights' keys/values must not be reused
+        t1 = time.perf_counter()
+        update = GRPOUpdate(self.model, self.optimizer, rl, self.cfg.optimizer.clip_grad, self.tokenizer.pad_id,
+                            self.cfg.train.micro_batch_size, self.device, self.ref_model)
+        mini_batches = split_mini_batches(rollouts, rl.updates_per_step, self.cfg.train.seed, self.step)
+
+        def next_lr() -> float:
+            self.optimizer_steps += 1
+            return self.schedule(self.optimizer_steps)
+
+        metrics = update.run(mini_batches, next_lr)
+        train_s = time.perf_counter() - t1
+        self.consumed_prompts += rl.prompts_per_step
+        self.step += 1
+        return {**self._reward_metrics(rewards, rollouts), **metrics, "rollout_s": rollout_s, "train_s": train_s,
+                "generation_share": rollout_s / (rollout_s + train_s)}
+
+    def _reward_metrics(self, rewards: torch.Tensor, rollouts) -> dict[str, float]:
+        g = self.cfg.rl.group_size
+        success = [sum(r.reward >= 1.0 for r in rollouts[i:i + g]) for i in range(0, len(rollouts), g)]
+        k = min(self.cfg.rl.eval_k, g)
+        n, s, s2, zero_var, p1, pk, length = all_reduce([
+            float(len(rewards)), float(rewards.sum()), float((rewards ** 2).sum()),
+            zero_variance_fraction(rewards, g) * len(success), sum(pass_at_k(g, c, 1) for c in success),
+            sum(pass_at_k(g, c, k) for c in success), float(sum(len(r.completion_ids) for r in rollouts))])
+        groups = n / g
+        mean = s / n
+        return {"reward_mean": mean, "reward_std": max(s2 / n - mean * mean, 0.0) ** 0.5,
+                "zero_variance_groups": zero_var / groups, "pass@1": p1 / groups, f"pass@{k}": pk / groups,
+                "completion_tokens_mean": length / n, "rollout_tokens": length}
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer_steps": self.optimizer_steps, "consumed_prompts": self.consumed_prompts,
+                "warmup_done": self.warmup_done, "rng": rng_state(), "schedule": self.schedule.state_dict(),
+                "ref_model": None if self.ref_model is None else self.ref_model.state_dict()}
+
+    def save(self) -> None:
+        self.checkpoints.save(self.step, self.model, self.optimizer, self.state(),
+                              yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
+
+    def load(self, path: str | Path) -> None:
+        state = load_checkpoint(path, self.model, self.optimizer)
+        if state.get("model_only"):
+            return
+        self.step, self.optimizer_steps = int(state["step"]), int(state["optimizer_steps"])
+        self.consumed_prompts, self.warmup_done = int(state["consumed_prompts"]), bool(state["warmup_done"])
+        if state.get("ref_model") is not None:
+            self.ref_model = self._frozen_copy()
+            self.ref_model.load_state_dict(state["ref_model"])
+        set_rng_state(state["rng"])
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> list[dict[str, Any]]:
+        cfg, rl = self.cfg, self.cfg.rl
+        if self.rank == 0:
+            save_config(cfg, self.run_dir / "config.yaml")
+        logger = MetricsLogger(cfg.logger, self.run_dir, cfg.train.train_iters, config_to_dict(cfg),
+                               initial_step=self.step, enabled=self.rank == 0)
+        started = time.perf_counter()
+        try:
+            logger.message(f"model: {count_parameters(cfg.model, self.tokenizer.vocab_size) / 1e6:.2f}M parameters, "
+                           f"environment {'+'.join(cfg.env.names)}, {self.world_size} process(es), "
+                           f"{rl.prompts_per_step} prompts x {rl.group_size} samples per step")
+            if not self.warmup_done:
+                self.warmup(logger)
+            if self.step == 0:
+                initial = self.evaluate()
+                logger.log(0, initial, kind="eval")
+                self._curve_row(0, None, initial)
+            if rl.kl_beta > 0 and self.ref_model is None:
+                self.ref_model = self._frozen_copy()
+            self._loop(logger)
+            final = self.evaluate()
+            logger.log(self.step, {**final, "wall_s": time.perf_counter() - started}, kind="eval")
+            self._curve_row(self.step, None, final)
+            if cfg.checkpoint.save_at_end:
+                self.save()
+            self.checkpoints.wait()
+        finally:
+            logger.close()
+        return self.history
+
+    def _loop(self, logger: MetricsLogger) -> None:
+        cfg = self.cfg
+        while self.step < cfg.train.train_iters:
+            metrics = self.grpo_step()
+            self.history.append({"step": self.step, **metrics})
+            logger.advance(1)
+            evaluation = None
+            if cfg.rl.eval_interval and self.step % cfg.rl.eval_interval == 0 and self.step < cfg.train.train_iters:
+                evaluation = self.evaluate()
+                logger.log(self.step, evaluation, kind="eval")
+            if self.step % cfg.logger.log_interval == 0 or self.step == cfg.train.train_iters:
+                logger.log(self.step, metrics)
+            self._curve_row(self.step, metrics, evaluation)
+            if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
+                self.save()
+
+    def _curve_row(self, step: int, metrics: Optional[dict], evaluation: Optional[dict]) -> None:
+        """Append to <run_dir>/reward_curve.csv: the step's reward and, when evaluated, held-out success."""
+        if self.rank != 0:
+            return
+        path = self.run_dir / "reward_curve.csv"
+        new = not path.exists()
+        k = f"pass@{self.cfg.rl.eval_k}"
+        with open(path, "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(CURVE_FIELDS)
+            row = [step, metrics["reward_mean"] if metrics else "", metrics["reward_std"] if metrics else "",
+                   evaluation["greedy_success"] if evaluation else "", evaluation.get(k, "") if evaluation else ""]
+            writer.writerow(row)

@@ -1,0 +1,44 @@
+"""A tiny model for RL tests and a trivially learnable environment (reward: the share of digits in
+the completion), registered under the name 'digits'."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from meshtron.config import ModelConfig
+from meshtron.data.tokenizer import ByteTokenizer
+from meshtron.models import GPTModel
+from meshtron.rl.environments import ENVIRONMENTS, GeneratedDataset, Problem
+
+TOKENIZER = ByteTokenizer()
+
+
+def tiny_model(seed: int = 0, std: float = 0.2) -> GPTModel:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                      max_position_embeddings=64, make_vocab_size_divisible_by=1, init_method_std=std)
+    return GPTModel(cfg, TOKENIZER.vocab_size).eval()
+
+
+class Digits:
+    """Prompt: a lowercase letter. Reward: the fraction of the completion's characters that are digits."""
+
+    name = "digits"
+
+    def make(self, rng: random.Random):
+        letter = rng.choice("abcdefghijklmnopqrstuvwxyz")
+        return letter + str(rng.random()), Problem(self.name, letter, solution="123")
+
+    def get_dataset(self, split, size, seed):
+        return GeneratedDataset(self.make, split, size, seed, eval_percent=10.0)
+
+    def get_prompt(self, problem):
+        return problem.data
+
+    def get_reward(self, problem, completion):
+        return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+ENVIRONMENTS.setdefault("digits", lambda cfg: Digits())
