@@ -609,6 +609,8 @@ class LoggerConfig:
 
 @dataclass(kw_only=True)
 class RLConfig:
+    """Reinforcement learning (meshtron rl): GRPO batch, loss variant, rollout engine, warm-up, evaluation."""
+
     prompts_per_step: int = option(16, "GRPO: prompts per step (over all data-parallel ranks)")
     group_size: int = option(8, "GRPO: completions sampled per prompt (advantages are normalised within a group)")
     max_new_tokens: int = option(16, "Longest completion, in tokens")
@@ -666,6 +668,8 @@ class RLConfig:
 
 @dataclass(kw_only=True)
 class EnvConfig:
+    """RL environments: which ones, their mix, held-out share and task settings."""
+
     names: list[str] = option(["countdown"], "RL environments: countdown, arithmetic, math (extra 'math'); "
                                              "several are mixed by env.weights")
     weights: list[float] = option([], "Mixing weights, one per name; empty weighs them equally")
