@@ -32,9 +32,12 @@ FP32_BYTES = 4  # parameters, gradients and optimizer states are fp32 in every p
 # Tensor-parallel sharding, the rules of `tensor_parallel.apply_tp`: column-parallel Linear layers
 # split their output features (weight and bias dim 0), row-parallel ones their input features
 # (weight dim 1; the bias is replicated), the embeddings split the vocabulary (rows) and learnable
-# sink logits the heads. Norms and anything else are replicated.
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
-ROW_PARALLEL = ("wo", "w_down")
+# sink logits the heads, Mamba's per-head and per-channel parameters (conv, A_log, D, dt_bias, its
+# gated norm) their heads. Sublayer norms and anything else are replicated.
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up", "z_proj", "x_proj", "b_proj", "c_proj", "dt_proj")
+ROW_PARALLEL = ("wo", "w_down", "out_proj")
+MAMBA_BY_HEAD = ("A_log", "D", "dt_bias")
+MAMBA_BY_CHANNEL = ("conv_x", "conv_b", "conv_c", "norm")
 
 
 # ---- counting saved tensors ---------------------------------------------------------------------
@@ -154,6 +157,10 @@ def tp_shard_dim(name: str, module: nn.Module) -> Optional[int]:
         return 0  # column-parallel over the vocabulary
     if owner == "mixer" and leaf == "sinks":
         return 0  # learnable sink logits belong to query heads: split by head like wq
+    if owner == "mixer" and leaf in MAMBA_BY_HEAD:
+        return 0
+    if len(parts) >= 3 and parts[-3] == "mixer" and owner in MAMBA_BY_CHANNEL:
+        return 0
     if len(parts) >= 3 and parts[-3] == "mixer" and isinstance(module, nn.Linear):
         if owner in COLUMN_PARALLEL:
             return 0
@@ -231,6 +238,8 @@ def local_model_config(cfg: RunConfig, vocab: int, tp: int) -> ModelConfig:
         m.num_query_groups = m.num_kv_heads // tp
         m.num_attention_heads //= tp
         m.ffn_hidden_size = m.ffn_size // tp
+        if "M" in m.pattern:
+            m.mamba_num_heads, m.mamba_num_groups = m.mamba_heads // tp, m.mamba_num_groups // tp
         m.vocab_size, m.make_vocab_size_divisible_by = vocab // tp, 1
     return m
 

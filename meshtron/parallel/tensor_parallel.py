@@ -6,6 +6,11 @@ Math, with t = tp degree:
   or reduce-scattered along the sequence under SP). Backward mirrors it (all-reduce of the input
   gradient of the column-parallel layers, or all-gather/reduce-scatter under SP).
 - MLP: W_gate, W_up column-parallel; W_down row-parallel (same collectives as attention).
+- Mamba-2: the z, x, B, C and dt projections are column-parallel (each rank owns heads/t heads and
+  the groups/t groups of B and C those heads read); the conv weights of x, B, C, the per-head
+  A_log, D, dt_bias and the gated norm's weight are split the same way (Shard(0)), so the conv,
+  the scan and the per-group norm run on local channels with no communication; out_proj is
+  row-parallel (all-reduce, or reduce-scatter along the sequence under SP).
 - Embedding: vocab-parallel (rows split; masked lookup, then all-reduce or reduce-scatter).
 - Output head: column-parallel over the vocabulary; with loss_parallel the logits stay sharded
   and the cross-entropy reduces max/sum-exp across ranks (no full-vocabulary gather).
@@ -28,9 +33,16 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.config.fields import ConfigError
 
+# Mamba-2 parameters that belong to heads or channels, split by dim 0 like the projections that feed them
+MAMBA_SHARDED = ("A_log", "D", "dt_bias", "norm.weight", "conv_x.weight", "conv_x.bias", "conv_b.weight",
+                 "conv_b.bias", "conv_c.weight", "conv_c.bias")
+
 
 def check_tp_divisibility(model: nn.Module, tp: int) -> None:
     cfg = model.cfg
+    if "M" in cfg.pattern and (cfg.mamba_heads % tp or cfg.mamba_num_groups % tp):
+        raise ConfigError(f"parallel.tp: {tp} must divide the Mamba heads ({cfg.mamba_heads}) and "
+                          f"model.mamba_num_groups={cfg.mamba_num_groups}; change one of them")
     if cfg.num_attention_heads % tp or cfg.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp: {tp} must divide model.num_attention_heads={cfg.num_attention_heads} "
                           f"and the key/value heads ({cfg.num_kv_heads}); change one of them")
@@ -68,6 +80,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         if getattr(layer.mixer, "sinks", None) is not None:
             # learnable sink logits belong to query heads: split them by head like Wq's columns
             layer.mixer.sinks = nn.Parameter(distribute_tensor(layer.mixer.sinks.data, tp_mesh, [Shard(0)]))
+        if layer.symbol == "M":
+            _shard_by_channel(layer.mixer, tp_mesh)
+
+
+def _shard_by_channel(mixer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    for name in MAMBA_SHARDED:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = mixer.get_submodule(owner_name) if owner_name else mixer
+        param = getattr(owner, leaf)
+        if param is not None:
+            setattr(owner, leaf, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)])))
 
 
 def _sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, object]:
@@ -83,6 +106,9 @@ def _sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, objec
         if layer.mixer.w_gate is not None:
             plan["mixer.w_gate"] = ColwiseParallel()
         plan.update({"mixer.w_up": ColwiseParallel(), "mixer.w_down": RowwiseParallel(output_layouts=seq)})
+    elif layer.symbol == "M":
+        plan.update({f"mixer.{p}_proj": ColwiseParallel() for p in ("z", "x", "b", "c", "dt")})
+        plan["mixer.out_proj"] = RowwiseParallel(output_layouts=seq)
     else:
         raise ConfigError(f"parallel.tp: sublayer '{layer.symbol}' has no tensor-parallel plan")
     return plan

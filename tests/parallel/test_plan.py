@@ -134,6 +134,22 @@ def test_tp2_splits_learnable_sinks_by_head():
     assert row["num_params"] == base + 2 * 4 // 2  # two attention layers of 4 heads, 2 per rank
 
 
+MAMBA = {"model.layer_pattern": "M-*M", "model.mamba_head_dim": "8", "model.mamba_num_groups": "2",
+         "model.mamba_state_dim": "4", "model.mamba_chunk_size": "8"}
+
+
+def test_tp2_splits_every_mamba_parameter_by_head():
+    from meshtron.models import count_parameters
+
+    total = count_parameters(config(**MAMBA).model, BYTE_VOCAB)
+    replicated = 5 * 32  # four sublayer norms and the final norm
+    assert plan(1, **MAMBA)[0]["num_params"] == total
+    assert plan(2, **{"parallel.tp": "2", **MAMBA})[0]["num_params"] == (total - replicated) // 2 + replicated
+    with pytest.raises(ValueError, match=r"^parallel.tp: 4 must divide the Mamba heads \(8\) and "
+                                         r"model.mamba_num_groups=2; change one of them$"):
+        plan(4, **{"parallel.tp": "4", "model.num_query_groups": "4", **MAMBA})
+
+
 def test_tp_refuses_what_apply_tp_refuses():
     with pytest.raises(ValueError, match="parallel.tp"):
         plan(8, **{"parallel.tp": "8"})  # 4 heads
@@ -160,6 +176,7 @@ def real_saved_bytes(cfg, recompute: str = "none") -> int:
     {"model.normalization": "LayerNorm", "model.position_embedding_type": "learned_absolute",
      "model.activation": "gelu", "model.softmax_type": "learnable", "model.window_size": "8",
      "model.qk_layernorm": "true", "model.hidden_dropout": "0.1", "model.mtp_num_layers": "1"},
+    MAMBA,
 ])
 def test_single_process_activations_equal_a_real_forward(extra):
     cfg = config(**extra)
