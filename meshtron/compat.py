@@ -1,6 +1,10 @@
 """Private PyTorch APIs behind one module: each is used only through a function here that says when it
 applies, so a PyTorch upgrade that moves or changes one is fixed in one place.
 
+`PipelineStage._forward_metadata_inference`: before its first step a pipeline stage runs its module once
+on placeholder tensors (uninitialised values) to learn output shapes; `during_pipeline_shape_inference`
+lets a caller wrap that run (MoE layers must not count or record it).
+
 `torch._grouped_mm(x, w, offs)` multiplies consecutive row blocks of x (2-D) by the matrices of w (3-D):
 rows offs[g-1]:offs[g] by w[g]. Measured on torch 2.13 (CPU): fp32/bf16/fp16 work forward and backward,
 fp64 is refused, every row stride must be a multiple of 16 bytes, and backward fails on an expanded
@@ -8,6 +12,9 @@ fp64 is refused, every row stride must be a multiple of 16 bytes, and backward f
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -42,3 +49,17 @@ class _ContiguousGrad(torch.autograd.Function):
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (rows, k) @ w[g] (k, n) for each row block g ending at offs[g] (int32, cumulative) -> (rows, n)."""
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+
+
+def during_pipeline_shape_inference(stage, context: Callable[[], AbstractContextManager]) -> None:
+    """Run `stage`'s placeholder forward (shape inference) inside `context()`; a no-op on PyTorch
+    builds whose stages infer shapes another way."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def wrapped(*args, **kwargs):
+        with context():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = wrapped

@@ -35,9 +35,11 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from meshtron.compat import during_pipeline_shape_inference
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import RunConfig
 from meshtron.nn.loss import masked_cross_entropy
+from meshtron.nn.moe.balance import moe_bookkeeping_paused
 from meshtron.parallel.dims import NamedMesh, ParallelDims
 from meshtron.parallel.pipeline_eval import forward_only
 from meshtron.parallel.pipeline_stages import (
@@ -151,6 +153,8 @@ class Pipeline:
         if n not in self._schedules:
             stages = [PipelineStage(part, s, self.num_stages, self.device, group=self.group)
                       for part, s in zip(self.parts, self.stage_ids)]
+            for stage in stages:  # the placeholder forward of shape inference is no MoE forward to count
+                during_pipeline_shape_inference(stage, lambda part=stage.submod: moe_bookkeeping_paused(part))
             cls = self.schedule_class
             if cls in _ZERO_BUBBLE:
                 _keep_gathered_until_backward(self.parts)

@@ -109,7 +109,7 @@ def test_suspend_resume_gives_the_uninterrupted_outputs(model, reference):
     assert [finished[i].token_ids for i in ids[1:]] == expected[1:]
 
 
-@pytest.mark.parametrize("kind", ["window-sinks-learned-pos", "mla"])
+@pytest.mark.parametrize("kind", ["window-sinks-learned-pos", "mla", "moe"])
 def test_attention_variants(kind):
     model = tiny_model(kind)
     prompts, max_tokens = workload(num_requests=10, max_prompt=20, max_output=10)

@@ -1,5 +1,6 @@
 """Training an MoE model: the aux losses join the objective with the documented weight, are logged with
-per-layer load and dropped fractions, and expert biases follow the observed load."""
+per-layer load and dropped fractions, expert biases follow the observed load, and a router registered
+from this module is used end to end."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import copy
 import json
 
 import torch
+from torch import nn
 
 from meshtron.nn.context import PackedContext
 from meshtron.nn.loss import masked_cross_entropy
-from meshtron.nn.moe import MoELayer
+from meshtron.nn.moe import MoELayer, register_router
 from meshtron.training import Trainer
 
 MOE = {"model.num_moe_experts": "4", "model.moe_router_topk": "2", "model.moe_z_loss_coeff": "0.01",
@@ -69,3 +71,35 @@ def test_moe_metrics_logged_and_expert_bias_updated(tiny_config):
     assert {"moe_load_max", "moe_dropped_frac"} <= set(train[-1]) and "moe_aux_loss" not in train[-1]
     assert len(moe) == 2 and abs(sum(moe[-1]["moe_load_L3"]) - 1.0) < 1e-3
     assert 0.0 <= moe[-1]["moe_dropped_L3"] < 1.0 and history[-1].extra["moe_dropped_frac"] >= 0.0
+
+
+@register_router("test_sticky_top1")
+class StickyTop1Router(nn.Module):
+    """A user's router from outside meshtron: top-1 of a linear score, weight = its sigmoid, and an
+    L2 penalty on the scores as its aux loss."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_moe_experts, bias=False)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        scores = self.proj(x.reshape(-1, x.shape[-1]))
+        indices = scores.argmax(-1, keepdim=True)
+        return torch.sigmoid(scores.gather(1, indices)), indices, 0.5 * scores.square().mean()
+
+
+def test_custom_router_registered_from_a_test_module_trains_end_to_end(tiny_config):
+    cfg = tiny_config(**{**MOE, **SGD, "model.moe_router_type": "test_sticky_top1", "model.moe_router_topk": "1"})
+    trainer = Trainer(cfg)
+    router = trainer.model.layers[3].mixer.router
+    assert isinstance(router, StickyTop1Router)
+    batch = trainer.loader.next_global_batch()
+    expected = reference_gradients(trainer.model, batch)
+    before = router.proj.weight.detach().clone()
+    result = trainer.train_step(batch)
+    assert router.calls == len(batch)  # one call per micro-batch (the reference ran a copy)
+    torch.testing.assert_close((before - router.proj.weight.detach()) / 0.5,
+                               expected["layers.3.mixer.router.proj.weight"], atol=2e-6, rtol=1e-4)
+    assert result.extra["moe_aux_loss"] > 0

@@ -10,6 +10,7 @@ from meshtron.nn.moe.replay import (
     RouterReplay,
     clear_replay,
     recorded_routing,
+    replays,
     set_replay_mode,
     set_replay_targets,
 )
@@ -17,5 +18,5 @@ from meshtron.nn.moe.router import ROUTERS, Router, TopKRouter, build_router, re
 
 __all__ = ["ROUTERS", "GroupedExperts", "LocalDispatcher", "MoELayer", "ReplayMode", "Router", "RouterReplay",
            "TokenDispatcher", "TopKRouter", "attach_aux_loss", "build_router", "clear_replay", "end_of_step",
-           "moe_layers", "recorded_routing", "register_router", "set_aux_loss_scale", "set_replay_mode",
+           "moe_layers", "recorded_routing", "register_router", "replays", "set_aux_loss_scale", "set_replay_mode",
            "set_replay_targets", "update_expert_bias"]

@@ -10,7 +10,8 @@ tokens); every rank then applies the same bias update.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -31,6 +32,20 @@ def moe_layers(modules: nn.Module | Iterable[nn.Module]) -> list[tuple[str, MoEL
                 match = re.search(r"layers\.(\d+)\.", name)
                 found.append((f"L{match.group(1)}" if match else name, module))
     return found
+
+
+@contextmanager
+def moe_bookkeeping_paused(modules: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
+    """Forwards inside neither count statistics nor record or replay routing (e.g. a pipeline stage's
+    shape inference on placeholder tensors)."""
+    layers = [layer for _, layer in moe_layers(modules)]
+    for layer in layers:
+        layer.paused = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.paused = False
 
 
 def set_aux_loss_scale(modules: nn.Module | Iterable[nn.Module], scale: float) -> None:

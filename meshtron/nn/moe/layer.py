@@ -95,10 +95,14 @@ class MoELayer(nn.Module):
         self.dispatcher: TokenDispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0
         self.stats = MoEStats(E)
+        self.paused = False  # set by moe_bookkeeping_paused: no statistics, no router replay
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
         batch, seq, hidden = x.shape
+        replay = getattr(self.router, "replay", None)
+        if replay is not None:
+            replay.paused = self.paused
         probs, indices, aux_loss = self.router(x)
         routing = build_routing_map(probs, indices, self.num_experts, self.capacity_factor, self.drop_policy,
                                     self.pad_alignment)
@@ -111,7 +115,7 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             y = y + shared
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not self.paused:
             losses = getattr(self.router, "last_losses", None)
             self.stats.add(routing.tokens_per_expert, routing.num_chosen, routing.num_dropped,
                            {"aux_loss": aux_loss.detach()} if losses is None else losses)

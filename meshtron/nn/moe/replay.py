@@ -15,7 +15,8 @@ i+1's under every pipeline schedule (stages run out of order across layers, neve
 recomputations in backward come in forward order too (1F1B, GPipe). A forward recomputed inside the
 autograd engine while the mode is REPLAY_FORWARD is served as REPLAY_BACKWARD automatically; while
 RECORD, a recomputation records nothing (the forward already did).
-RL uses this so training routes each token exactly as the rollout did.
+RL uses this so training routes each token exactly as the rollout did. Call `clear_replay(model)` after
+each replayed step: without activation recompute nothing consumes the entries kept for backward.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _in_backward() -> bool:
 class RouterReplay:
     def __init__(self) -> None:
         self.mode: Optional[ReplayMode] = None
+        self.paused = False  # route normally, record nothing (set by the MoE layer)
         self.recorded: list[torch.Tensor] = []
         self.targets: deque[torch.Tensor] = deque()
         self._for_backward: deque[torch.Tensor] = deque()
@@ -53,6 +55,8 @@ class RouterReplay:
     def select(self, scores: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Top-k indices (tokens, k) for `scores` (tokens, experts): `choose(scores)`, recorded or replayed."""
         mode = self.mode
+        if self.paused or scores.device.type == "meta":  # e.g. shape inference: nothing to record or replay
+            mode = None
         if mode is ReplayMode.REPLAY_FORWARD and _in_backward():
             mode = ReplayMode.REPLAY_BACKWARD
         if mode is None:
@@ -75,9 +79,18 @@ class RouterReplay:
         return indices
 
 
+WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
 def replays(model: nn.Module) -> dict[str, RouterReplay]:
-    """Every router's replay state by module name, in layer order."""
-    return {name: m.replay for name, m in model.named_modules() if isinstance(getattr(m, "replay", None), RouterReplay)}
+    """Every router's replay state by module name (single-process names, wrappers left out), in layer order."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "replay", None), RouterReplay):
+            for wrapper in WRAPPER_NAMES:
+                name = name.replace(wrapper, "")
+            found[name] = module.replay
+    return found
 
 
 def set_replay_mode(model: nn.Module, mode: Optional[ReplayMode]) -> None:
