@@ -27,20 +27,39 @@ class TensorMap:
     hf: str                       # on-disk safetensors name
     parts: tuple[str, ...]        # meshtron state-dict names, concatenated along `dim` to form the HF tensor
     dim: int = 0
-    transpose: bool = False       # the HF tensor is stored transposed (2-D weights only)
+    transpose: bool = False       # the HF tensor is stored with its last two dims swapped (GPT-2 Conv1D, GPT-OSS experts)
+    interleave: bool = False      # the parts alternate along `dim` (GPT-OSS gate/up rows) instead of following each other
+    index: Optional[int] = None   # the HF tensor is entry `index` of the one stacked meshtron part (per-expert files)
 
     def to_meshtron(self, hf_tensor: torch.Tensor, part_sizes: list[int]) -> list[torch.Tensor]:
-        t = hf_tensor.t() if self.transpose and hf_tensor.dim() == 2 else hf_tensor
-        return list(t.split(part_sizes, dim=self.dim)) if len(self.parts) > 1 else [t]
+        """The meshtron parts (for an indexed map: the part's entry `index`)."""
+        t = hf_tensor.transpose(-2, -1) if self.transpose and hf_tensor.dim() >= 2 else hf_tensor
+        if len(self.parts) == 1:
+            return [t]
+        if self.interleave:
+            grouped = t.unflatten(self.dim, (-1, len(self.parts)))
+            return [grouped.select(self.dim + 1, i) for i in range(len(self.parts))]
+        return list(t.split(part_sizes, dim=self.dim))
 
     def to_hf(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        t = torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0]
-        return t.t() if self.transpose and t.dim() == 2 else t
+        if self.index is not None:
+            parts = [p[self.index] for p in parts]
+        if len(parts) == 1:
+            t = parts[0]
+        elif self.interleave:
+            t = torch.stack(parts, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
+        else:
+            t = torch.cat(parts, dim=self.dim)
+        return t.transpose(-2, -1) if self.transpose and t.dim() >= 2 else t
 
     def hf_shape(self, part_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        if self.index is not None:
+            part_shapes = [s[1:] for s in part_shapes]
         shape = list(part_shapes[0])
         shape[self.dim] = sum(s[self.dim] for s in part_shapes)
-        return tuple(reversed(shape)) if self.transpose and len(shape) == 2 else tuple(shape)
+        if self.transpose and len(shape) >= 2:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        return tuple(shape)
 
 
 class FamilyAdapter(Protocol):
@@ -58,7 +77,10 @@ class FamilyAdapter(Protocol):
 
 # Fields that describe training, not the architecture: `init_from_hf` keeps the user's values.
 TRAINING_FIELDS = ("attention_dropout", "hidden_dropout", "init_method_std", "scaled_init", "mtp_num_layers",
-                   "mtp_loss_scaling_factor")
+                   "mtp_loss_scaling_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                   "moe_input_jitter_eps", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+                   "moe_token_drop_policy", "moe_router_padding_for_quantization", "moe_router_padding_alignment",
+                   "moe_grouped_gemm", "moe_router_dtype")
 
 
 def require(ok: bool, field: str, value: Any, target: str, fix: str) -> None:
@@ -84,12 +106,14 @@ def adapters() -> dict[str, FamilyAdapter]:
     from meshtron.models.hf.gpt2 import GPT2Adapter
     from meshtron.models.hf.llama import LLAMA_LIKE
     from meshtron.models.hf.mamba2 import Mamba2Adapter
+    from meshtron.models.hf.moe_families import MOE_FAMILIES
     from meshtron.models.hf.nemotron_h import NemotronHAdapter
 
     table: dict[str, FamilyAdapter] = {a.name: a for a in LLAMA_LIKE}
     table["gpt2"] = GPT2Adapter()
     table["mamba2"] = Mamba2Adapter()
     table["nemotron_h"] = NemotronHAdapter()
+    table.update({a.name: a for a in MOE_FAMILIES})
     return table
 
 
@@ -119,6 +143,12 @@ def guess_family(cfg: ModelConfig) -> FamilyAdapter:
     table = adapters()
     if "M" in cfg.pattern:
         return table["mamba2"] if set(cfg.pattern) == {"M"} else table["nemotron_h"]
+    if "E" in cfg.pattern:
+        if cfg.multi_latent_attention:
+            return table["deepseek_v3"]
+        if cfg.softmax_type == "learnable":
+            return table["gpt_oss"]
+        return table["qwen3_moe"] if cfg.qk_layernorm or "-" in cfg.pattern else table["mixtral"]
     if cfg.normalization == "LayerNorm" or cfg.position_embedding_type == "learned_absolute":
         return table["gpt2"]
     if cfg.qk_layernorm:

@@ -16,6 +16,7 @@ asked for or the carried config names one, so HF -> meshtron -> HF is bit-exact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -82,17 +83,26 @@ def check_hf_tensors(maps: list[TensorMap], view: SafetensorsDir, shapes: dict[s
 
 
 class _PartSource:
-    """Meshtron parameters cut from HF tensors, keeping the last HF tensor for its sibling parts."""
+    """Meshtron parameters cut from HF tensors, keeping the last HF tensor for its sibling parts;
+    a stacked parameter (experts) is assembled from its per-entry HF tensors (indexed maps)."""
 
     def __init__(self, maps: list[TensorMap], shapes: dict[str, tuple[int, ...]], get_hf):
-        self._where = {p: (m, i) for m in maps for i, p in enumerate(m.parts)}
+        self._where = {p: (m, i) for m in maps if m.index is None for i, p in enumerate(m.parts)}
+        self._stacked: dict[str, list[TensorMap]] = {}
+        for m in maps:
+            if m.index is not None:
+                self._stacked.setdefault(m.parts[0], []).append(m)
         self._shapes, self._get_hf = shapes, get_hf
         self._cached: tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
     def covers(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._stacked
 
     def __call__(self, name: str) -> torch.Tensor:
+        if name in self._stacked:
+            entries = sorted(self._stacked[name], key=lambda m: m.index)
+            assert [m.index for m in entries] == list(range(self._shapes[name][0])), name
+            return torch.stack([m.to_meshtron(self._get_hf(m.hf), [])[0].to(torch.float32) for m in entries])
         m, i = self._where[name]
         if self._cached[0] != m.hf:
             self._cached = (m.hf, self._get_hf(m.hf))
@@ -214,7 +224,7 @@ def meshtron_to_hf(checkpoint: str | Path, output: str | Path, *, architecture: 
     dropped = sorted(n for n in tensors.shapes if n not in mapped)
     notes = [f"dropped {len(dropped)} tensors {adapter.architecture} has no place for "
              f"(e.g. {dropped[0]}: multi-token prediction is meshtron-only)"] if dropped else []
-    get = tensors.get
+    get = functools.lru_cache(maxsize=1)(tensors.get)  # consecutive per-expert tensors share one stacked part
     if not streaming:  # the baseline: the whole model in memory first
         everything = {n: tensors.get(n) for n in mapped}
         get = everything.__getitem__

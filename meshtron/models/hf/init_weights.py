@@ -40,7 +40,7 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> list[str]:
     for m in maps:
         pieces = m.to_meshtron(view.get(m.hf), [shapes[p][m.dim] for p in m.parts])
         for name, piece in zip(m.parts, pieces):
-            params[name].copy_(piece)
+            (params[name] if m.index is None else params[name][m.index]).copy_(piece)
             covered.add(name)
     untouched = [n for n in params if n not in covered]
     foreign = [n for n in untouched if not n.startswith("mtp.")]
