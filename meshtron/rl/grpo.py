@@ -50,7 +50,11 @@ def all_reduce_gradients(model: torch.nn.Module) -> None:
     """Sum gradients over the data-parallel ranks (each rank's loss carries global normalisers)."""
     if world_group() is None:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # a rank with nothing to train this mini-batch still takes part
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     at = 0
@@ -80,11 +84,17 @@ def assign_advantages(rollouts: Sequence[Rollout], group_size: int, scale_by_std
     return rewards
 
 
-def split_mini_batches(rollouts: Sequence[Rollout], num: int, seed: int, step: int) -> list[list[Rollout]]:
-    """A seeded shuffle of the rollouts cut into `num` nearly equal mini-batches."""
-    order = list(range(len(rollouts)))
-    random.Random(f"{seed}/{step}/minibatch").shuffle(order)
-    return [[rollouts[i] for i in order[k::num]] for k in range(num)]
+def split_mini_batches(rollouts: Sequence[Rollout], num: int, seed: int, step: int, first_group: int,
+                       num_groups: int, group_size: int) -> list[list[Rollout]]:
+    """`num` mini-batches from a seeded shuffle of the step's rollouts over all ranks (groups
+    first_group .. first_group + num_groups - 1): mini-batch k holds the rollouts whose shuffled
+    position is k modulo num, so the split does not depend on how ranks share the prompts."""
+    position = list(range(num_groups * group_size))
+    random.Random(f"{seed}/{step}/minibatch").shuffle(position)
+    out: list[list[Rollout]] = [[] for _ in range(num)]
+    for r in rollouts:
+        out[position[(r.group - first_group) * group_size + r.sample] % num].append(r)
+    return out
 
 
 def train_sequences(rollouts: Sequence[Rollout], aggregation: str, max_new_tokens: int) -> list[TrainSequence]:

@@ -21,7 +21,8 @@ from meshtron.rl.inference import InferenceBackend
 @dataclass
 class Rollout:
     problem: Problem
-    group: int
+    group: int  # the prompt's index in the prompt stream (global over ranks)
+    sample: int  # which of the group's samples
     prompt_ids: list[int]
     completion_ids: list[int]
     log_probs: list[float]
@@ -50,7 +51,7 @@ def generate_groups(backend: InferenceBackend, env: Environment, tokenizer, prob
     rollouts = []
     for k, gen in enumerate(generations):
         i = k // group_size
-        rollouts.append(Rollout(problems[i], first_group + i, prompt_ids[i], gen.token_ids, gen.log_probs, gen.text,
+        rollouts.append(Rollout(problems[i], first_group + i, k % group_size, prompt_ids[i], gen.token_ids, gen.log_probs, gen.text,
                                 float(env.get_reward(problems[i], gen.text))))
     return rollouts
 

@@ -146,7 +146,8 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         update = GRPOUpdate(self.model, self.optimizer, rl, self.cfg.optimizer.clip_grad, self.tokenizer.pad_id,
                             self.cfg.train.micro_batch_size, self.device, self.ref_model)
-        mini_batches = split_mini_batches(rollouts, rl.updates_per_step, self.cfg.train.seed, self.step)
+        mini_batches = split_mini_batches(rollouts, rl.updates_per_step, self.cfg.train.seed, self.step,
+                                          self.consumed_prompts, rl.prompts_per_step, rl.group_size)
 
         def next_lr() -> float:
             self.optimizer_steps += 1

@@ -42,3 +42,11 @@ class Digits:
 
 
 ENVIRONMENTS.setdefault("digits", lambda cfg: Digits())
+
+
+def grpo_history(rank: int, world_size: int, overrides: dict[str, str]) -> list[dict]:
+    """Run GRPO with these config overrides (a rank of run_ranks, or world_size 1 in-process)."""
+    from meshtron.config import load_config
+    from meshtron.rl.trainer import GRPOTrainer
+
+    return GRPOTrainer(load_config(overrides=overrides, world_size=world_size)).train()

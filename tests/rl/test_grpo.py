@@ -116,3 +116,22 @@ def test_rl_command_and_config_errors(tmp_path, capsys):
 
     with pytest.raises(ConfigError, match="env.names"):
         build_environment(rl_config(tmp_path, **{"env.names": "[chess]"}).env)
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_reproduce_the_single_process_run(tmp_path):
+    """Two gloo ranks, each generating half the prompts with its own engine: rollout seeds depend on
+    the prompt's global index and the loss carries global normalisers, so rewards, losses and
+    gradient norms equal the single-process run's."""
+    from meshtron.testing.multiprocess import run_ranks
+    from tests.rl.helpers import grpo_history
+
+    overrides = {**TINY_RL, "train.train_iters": "3", "rl.updates_per_step": "2", "rl.kl_beta": "0.05",
+                 "rl.aggregation": "token_mean"}
+    single = grpo_history(0, 1, {**overrides, "train.run_dir": str(tmp_path / "single")})
+    ranks = run_ranks("tests.rl.helpers:grpo_history", 2, timeout_s=240,
+                      overrides={**overrides, "train.run_dir": str(tmp_path / "dp")})
+    for a, b, c in zip(single, ranks[0], ranks[1]):
+        for key in ("reward_mean", "loss", "kl", "grad_norm", "train_tokens", "entropy"):
+            assert b[key] == c[key], key  # every rank reports the global numbers
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
