@@ -80,6 +80,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def cmd_bench_mamba(args: argparse.Namespace) -> int:
+    from meshtron.bench.mamba import main as bench_main
+
+    return bench_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="meshtron", description="Train, serve and post-train LLMs on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -119,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bench_sub.add_parser("train", help="trainer tokens/s and MFU against a plain PyTorch loop", add_help=False)
     bt.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/train_throughput.py")
     bt.set_defaults(func=cmd_bench_train)
+    bm = bench_sub.add_parser("mamba", help="hybrid Mamba vs attention: training tokens/s, memory, decode ms/token",
+                              add_help=False)
+    bm.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/mamba.py")
+    bm.set_defaults(func=cmd_bench_mamba)
 
     from meshtron.api_check import register as register_check_api
     from meshtron.config.commands import register as register_config_commands
@@ -147,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["bench", "train"] and argv[2:3] != ["--"]:
+    if argv[:1] == ["bench"] and argv[1:2] in (["train"], ["mamba"]) and argv[2:3] != ["--"]:
         # argparse's REMAINDER refuses a first item that looks like an option: hand the rest over as is.
         argv = [*argv[:2], "--", *argv[2:]]
     try:

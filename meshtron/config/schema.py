@@ -383,7 +383,7 @@ class ParallelConfig:
     pp_last_stage_sublayers: Optional[int] = option(None, "Sublayers on the last stage; null splits the pattern evenly")
     cp_load_balance: bool = option(True, "CP: zig-zag sequence sharding so every rank gets equal causal work")
     activation_checkpoint: Literal["none", "full", "selective"] = option(
-        "none", "Recompute activations in backward: every sublayer (full) or attention sublayers only (selective)")
+        "none", "Recompute activations in backward: every sublayer (full) or attention and Mamba sublayers only (selective)")
     compile: bool = option(False, "torch.compile each sublayer")
     timeout_s: float = option(600.0, "Timeout of every collective and process group, in seconds")
     straggler_interval: int = option(0, "Every N steps log the slowest and fastest ranks by step time (0: off)")

@@ -50,17 +50,31 @@ class EngineConfig:
         need(all(b >= 1 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes",
              self.cuda_graph_batch_sizes, "every bucket must be >= 1")
 
-    def resolve(self, model_max_len: int, bytes_per_token: int) -> EngineConfig:
-        """A copy with max_model_len and num_blocks filled in and cross-field rules checked."""
+    def resolve(self, model_max_len: int, bytes_per_token: int, recurrent_state: bool = False) -> EngineConfig:
+        """A copy with max_model_len and num_blocks filled in and cross-field rules checked.
+
+        bytes_per_token: key/value bytes per token (0 without attention: blocks then only count
+        tokens, enough for max_num_seqs full-length requests). recurrent_state: the model has Mamba
+        layers, whose per-request state is scanned one chunk at a time and is not kept per block, so
+        prefix caching is off and only the varlen layout applies.
+        """
         self.validate()
         max_len = self.max_model_len or model_max_len
         if max_len > model_max_len:
             raise ConfigError(f"engine.max_model_len: {max_len} exceeds the model's max_position_embeddings "
                               f"{model_max_len}; lower it")
         num_blocks = self.num_blocks
-        if num_blocks is None:
+        if num_blocks is None and bytes_per_token == 0:
+            num_blocks = self.max_num_seqs * -(-max_len // self.block_size)
+        elif num_blocks is None:
             num_blocks = max(1, int(self.kv_cache_memory_mb * 2**20) // max(1, bytes_per_token * self.block_size))
         out = dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks)
+        if recurrent_state:
+            if out.layout != "varlen" or out.cuda_graphs:
+                name, value = ("layout", out.layout) if out.layout != "varlen" else ("cuda_graphs", True)
+                raise ConfigError(f"engine.{name}: {value!r} is not allowed for a model with Mamba layers (each "
+                                  "request's chunk is scanned in one piece); use layout varlen without cuda_graphs")
+            out = dataclasses.replace(out, enable_prefix_caching=False)
         if not out.enable_chunked_prefill and out.max_num_batched_tokens < max_len:
             raise ConfigError(f"engine.max_num_batched_tokens: {out.max_num_batched_tokens} is below max_model_len "
                               f"{max_len}, so without chunked prefill a long prompt could never run; raise it "

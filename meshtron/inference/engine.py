@@ -26,6 +26,7 @@ from torch import nn
 
 from meshtron.inference.config import EngineConfig
 from meshtron.inference.kv_cache_manager import KVCacheManager
+from meshtron.inference.mamba_state import MambaInferenceStateConfig, StateSlotPool
 from meshtron.inference.outputs import Detokenizer, RequestOutput
 from meshtron.inference.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from meshtron.inference.runner import ModelRunner, kv_bytes_per_token
@@ -34,9 +35,9 @@ from meshtron.inference.scheduler import Scheduler
 Prompt = Union[str, Sequence[int]]
 
 
-# Sublayers the engine can run: attention keeps keys/values in the paged cache; the others keep no
-# state between tokens. A mixer with state of its own (Mamba) needs state slots this engine lacks.
-SUPPORTED_SUBLAYERS = {"*": "attention", "-": "MLP", "E": "mixture of experts"}
+# Sublayers the engine can run: attention keeps keys/values in the paged cache; Mamba keeps a
+# recurrent state per request in a state slot (inference/mamba_state.py); the others keep nothing.
+SUPPORTED_SUBLAYERS = {"*": "attention", "-": "MLP", "E": "mixture of experts", "M": "Mamba-2"}
 
 
 def check_supported(model: nn.Module) -> None:
@@ -54,11 +55,14 @@ class LLMEngine:
                  model_name: str = "meshtron"):
         check_supported(model)
         self.tokenizer, self.model_name = tokenizer, model_name
-        self.config = (config or EngineConfig()).resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model))
+        state_cfg = MambaInferenceStateConfig.from_model(model)
+        self.config = (config or EngineConfig()).resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model),
+                                                         recurrent_state=state_cfg is not None)
         self.device = next(model.parameters()).device
         self.vocab_size = model.vocab_size
         self.kv = KVCacheManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv)
+        slots = StateSlotPool(self.config.max_num_seqs) if state_cfg is not None else None
+        self.scheduler = Scheduler(self.config, self.kv, slots)
         self.runner = ModelRunner(model, self.config, self.device)
         self._detokenizers: dict[str, Detokenizer] = {}
         self._seeds: dict[str, int] = {}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshtron.inference.config import EngineConfig
+from meshtron.inference.mamba_state import MambaInferenceStateConfig, MambaStateCache
 from meshtron.inference.paged_context import PagedKVCache, build_paged_batch
 from meshtron.inference.request import SamplingParams
 from meshtron.inference.sampler import sample_rows
@@ -42,7 +43,7 @@ def kv_bytes_per_token(model: nn.Module) -> int:
             total += heads * (mixer.qk_head_dim + mixer.qk_pos_emb_head_dim + mixer.v_head_dim)
         else:
             total += 2 * _local(mixer.wk.weight).shape[0]
-    return max(1, total * element)
+    return total * element  # 0 without attention layers (a pure Mamba model)
 
 
 # A byte copied costs about this many FLOPs' time on the machines we run on (CPU: ~100 GFLOP/s
@@ -60,7 +61,7 @@ def cost_weights(model: nn.Module) -> tuple[float, float, float]:
         else:
             per_pair += 4 * _local(mixer.wq.weight).shape[0]  # q.k and p.v, heads x head_dim each
     per_token = 2.0 * sum(_local(p).numel() for n, p in model.named_parameters() if "embedding" not in n)
-    return per_pair, per_token, 2 * kv_bytes_per_token(model) * FLOPS_PER_BYTE  # copied, then read
+    return per_pair, per_token, 2 * max(1, kv_bytes_per_token(model)) * FLOPS_PER_BYTE  # copied, then read
 
 
 def choose_layout(chunks: list[ScheduledChunk], weights: tuple[float, float, float]) -> tuple[str, Optional[int]]:
@@ -86,6 +87,9 @@ class ModelRunner:
         self.model = model.eval()
         self.cfg, self.device = cfg, device
         self.cache = PagedKVCache(cfg.num_blocks, cfg.block_size, device)
+        state_cfg = MambaInferenceStateConfig.from_model(model)
+        # one state slot per running request (the scheduler hands them out), plus scratch
+        self.states = MambaStateCache(state_cfg, cfg.max_num_seqs, device) if state_cfg is not None else None
         self.generators: dict[str, torch.Generator] = {}
         self.params: dict[str, SamplingParams] = {}
         self.cost_weights = cost_weights(model)
@@ -136,7 +140,7 @@ class ModelRunner:
                 return result
         if self.cfg.layout == "varlen":
             self.num_forwards["varlen"] += 1
-            batch = build_varlen_batch(chunks, self.cache)
+            batch = build_varlen_batch(chunks, self.cache, self.states)
             logits = self.model(batch.tokens, batch.ctx)
             return logits[0, batch.sample_index], batch.sample_req_ids
         if self.cfg.layout == "auto":
@@ -151,6 +155,8 @@ class ModelRunner:
     def release(self) -> None:
         """Free the cache tensors, captured graphs and generators (suspend)."""
         self.cache.release()
+        if self.states is not None:
+            self.states.release()
         if self.graphs is not None:
             self.graphs.release()
         self.generators.clear()

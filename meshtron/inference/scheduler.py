@@ -17,6 +17,7 @@ from typing import Optional
 
 from meshtron.inference.config import EngineConfig
 from meshtron.inference.kv_cache_manager import KVCacheManager
+from meshtron.inference.mamba_state import StateSlotPool
 from meshtron.inference.request import EventType, Request, RequestStatus, TokenLogProbs
 
 
@@ -29,6 +30,7 @@ class ScheduledChunk:
     start_pos: int  # tokens already in the cache
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the request's last token, so its next token is sampled
+    state_slot: int = -1  # the request's Mamba state slot (models with Mamba layers), else -1
 
 
 @dataclass
@@ -56,9 +58,11 @@ class SampledToken:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCacheManager):
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, state_slots: Optional[StateSlotPool] = None):
+        """state_slots: for models with Mamba layers, one recurrent-state slot per running request."""
         self.cfg = cfg
         self.kv = kv
+        self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -103,8 +107,12 @@ class Scheduler:
                 if not self.cfg.enable_chunked_prefill:
                     return
                 num_new = budget
+            if self.state_slots is not None and self.state_slots.num_free == 0:
+                return
             if not self.kv.allocate_slots(request, num_new, hit_ids):
                 return
+            if self.state_slots is not None:
+                self.state_slots.acquire(request.req_id)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0 and request.status == RequestStatus.WAITING:
@@ -118,11 +126,17 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         tokens = [request.token_at(j) for j in range(start, start + num_new)]
+        slot = self.state_slots.slot_of[request.req_id] if self.state_slots is not None else -1
         return ScheduledChunk(request.req_id, tokens, start, list(self.kv.block_ids(request.req_id)),
-                              samples=start + num_new == request.num_tokens)
+                              samples=start + num_new == request.num_tokens, state_slot=slot)
+
+    def _release_state(self, request: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.release(request.req_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request, finished=False)
+        self._release_state(request)  # recomputed from its tokens later, from a zero state
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -163,6 +177,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request, finished=True)
+        self._release_state(request)
         request.status = status
         kind = {RequestStatus.FINISHED_ABORTED: EventType.ABORTED,
                 RequestStatus.FINISHED_FAILED: EventType.FAILED}.get(status, EventType.FINISHED)
@@ -174,6 +189,7 @@ class Scheduler:
         requests = sorted([*self.running, *self.waiting], key=lambda r: r.arrival_index)
         for request in requests:
             self.kv.free(request, finished=True)
+            self._release_state(request)
             request.num_computed_tokens = 0
         self.running.clear()
         self.waiting.clear()

@@ -10,7 +10,8 @@ and attention is split by the context's own `attend` (see `nn.attention_core.att
 - each prefill chunk attends alone to its own blocks (causal from its start position).
 `update_kv` writes the new keys/values into their slots and hands back the layer's cache tensors,
 which `attend` reads through the groups' block tables. Groups, block indices and masks are built
-once per step and shared by every layer; masks are cached per window size.
+once per step and shared by every layer; masks are cached per window size. Mamba layers get their
+per-request states through `mamba_states` (see `mamba_state.MambaStepGroups`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meshtron.inference.mamba_state import MambaStateCache, MambaStepGroups
 from meshtron.inference.paged_context import PagedBatch, PagedKVCache
 from meshtron.inference.scheduler import ScheduledChunk
 from meshtron.nn.attention_core import sink_attention
+from meshtron.nn.context import RecurrentState
 
 # A decode joins the current bucket while its context needs at least this share of the bucket's
 # longest context (in blocks): at most 1 - ratio of a bucket's key reads are padding.
@@ -63,6 +66,10 @@ class VarlenPagedContext:
     groups: list[AttentionGroup]
     cache: PagedKVCache
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    mamba: Optional[MambaStepGroups] = None
+
+    def mamba_states(self, layer_id: int) -> Optional[list[RecurrentState]]:
+        return self.mamba.states(layer_id) if self.mamba is not None else None
 
     def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (1, kv_heads, T, d) into their slots; return this layer's cache tensors
@@ -114,8 +121,10 @@ def _decode_buckets(lengths: list[int]) -> list[list[int]]:
     return buckets
 
 
-def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache) -> PagedBatch:
-    """One packed row of every chunk's tokens, with decode buckets and per-chunk prefill groups."""
+def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
+                       states: Optional[MambaStateCache] = None) -> PagedBatch:
+    """One packed row of every chunk's tokens, with decode buckets and per-chunk prefill groups
+    (and, with `states`, the Mamba state groups)."""
     bs, device = cache.block_size, cache.device
     tokens, positions, slots, sample_index, sample_req_ids = [], [], [], [], []
     starts, decodes, groups = [], [], []
@@ -156,6 +165,8 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache) -> Pag
     def t(parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
 
-    ctx = VarlenPagedContext(positions=t(positions)[None], write_slots=t(slots), groups=groups, cache=cache)
+    mamba = MambaStepGroups.build(chunks, starts, states) if states is not None else None
+    ctx = VarlenPagedContext(positions=t(positions)[None], write_slots=t(slots), groups=groups, cache=cache,
+                             mamba=mamba)
     return PagedBatch(t(tokens)[None], ctx, torch.tensor(sample_index, dtype=torch.long, device=device),
                       sample_req_ids)

@@ -10,10 +10,11 @@ True where a query may attend a key: causal, same document when packed, and with
 at index i sees keys j with i - W < j <= i (itself and the W-1 before it). `sdpa_mask(window_size)`
 gives the same as keyword arguments for `scaled_dot_product_attention` (just `is_causal` when it can).
 
-The recurrent-state contract (Mamba): `mamba_state(layer_id)` returns None (every row starts from
-a zero state and nothing is kept: training) or a `RecurrentState` giving each row's starting conv
-and SSM state, how many of its tokens are real (right padding after them), and where the states
-after its last real token go.
+The recurrent-state contract (Mamba): `mamba_states(layer_id)` returns None (every row starts from
+a zero state and nothing is kept: training) or a list of `RecurrentState`s, each covering some
+sequences of the batch: which tokens are theirs (or the whole batch), each one's starting conv and
+SSM state, how many of its tokens are real (right padding after them), and where the states after
+its last real token go.
 """
 
 from __future__ import annotations
@@ -27,18 +28,21 @@ import torch
 
 @dataclass
 class RecurrentState:
-    """One Mamba layer's state for the rows of a forward.
+    """One Mamba layer's state for some sequences of a forward, one row each.
 
     conv: (rows, conv_kernel - 1, channels) inputs before each row's first token, or None (zeros).
     ssm: (rows, heads, head_dim, state_dim), or None (zeros).
     lengths: (rows,) long, real tokens per row (the rest is right padding), or None (all real).
     store(conv, ssm): receives the states after each row's last real token.
+    index: (rows, q) long, where each row's tokens sit in the forward's flattened (batch * seq) tokens
+    (a packed batch holds several sequences in one row), or None: the rows are the batch's own.
     """
 
     conv: Optional[torch.Tensor]
     ssm: Optional[torch.Tensor]
     lengths: Optional[torch.Tensor]
     store: Callable[[torch.Tensor, torch.Tensor], None]
+    index: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -64,7 +68,7 @@ class PackedContext:
     def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
-    def mamba_state(self, layer_id: int) -> Optional[RecurrentState]:
+    def mamba_states(self, layer_id: int) -> Optional[list[RecurrentState]]:
         return None  # every row starts from zero; documents are kept apart by document_ids
 
     def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
@@ -124,13 +128,13 @@ class KVCacheContext:
         v_cache[:, :, self.offset:end] = v
         return k_cache[:, :, :end], v_cache[:, :, :end]
 
-    def mamba_state(self, layer_id: int) -> RecurrentState:
+    def mamba_states(self, layer_id: int) -> list[RecurrentState]:
         conv, ssm = self.states.get(layer_id, (None, None))
 
         def store(new_conv: torch.Tensor, new_ssm: torch.Tensor) -> None:
             self.states[layer_id] = (new_conv, new_ssm)
 
-        return RecurrentState(conv, ssm, None, store)
+        return [RecurrentState(conv, ssm, None, store)]
 
     def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
         """Boolean (1, 1, new, offset + new): the new tokens against everything cached so far."""

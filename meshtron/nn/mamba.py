@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.nn import ssd
+from meshtron.nn.context import RecurrentState
 
 A_INIT_RANGE = (1.0, 16.0)
 
@@ -69,7 +70,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if prefix is None:
         prefix = x.new_zeros(batch, k - 1, channels)
     padded = torch.cat([prefix.to(x.dtype), x], dim=1)
-    if seq_ids is None:
+    if seq == 1 and seq_ids is None:  # a decode step: one window, a weighted sum (far cheaper than conv1d)
+        out = torch.einsum("bkc,ck->bc", padded, weight[:, 0].to(x.dtype))[:, None]
+    elif seq_ids is None:
         out = F.conv1d(padded.transpose(1, 2), weight.to(x.dtype), None, groups=channels).transpose(1, 2)
     else:  # mask every tap that reaches into an earlier document (no prefix with documents: zeros)
         ids = torch.cat([seq_ids.new_full((batch, k - 1), -1), seq_ids], dim=1)
@@ -128,26 +131,46 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, u: torch.Tensor, ctx) -> torch.Tensor:
         batch, seq, _ = u.shape
-        state = ctx.mamba_state(self.layer_id) if hasattr(ctx, "mamba_state") else None
-        seq_ids = getattr(ctx, "document_ids", None)
+        states = ctx.mamba_states(self.layer_id) if hasattr(ctx, "mamba_states") else None
         # Local widths come from the weights, so a tensor-parallel shard needs no rank logic.
-        z, x, B, C = self.z_proj(u), self.x_proj(u), self.b_proj(u), self.c_proj(u)
-        widths = (x.shape[-1], B.shape[-1], C.shape[-1])
+        z = self.z_proj(u)
+        xbc = torch.cat([self.x_proj(u), self.b_proj(u), self.c_proj(u)], dim=-1)
+        dt = F.softplus(self.dt_proj(u).float() + local(self.dt_bias).float()).clamp(*self.dt_limit)
+        if states is None:
+            y = self.mix(xbc, dt, None, getattr(ctx, "document_ids", None))
+        else:
+            y = xbc.new_empty(batch * seq, z.shape[-1])
+            for state in states:
+                if state.index is None:
+                    y = self.mix(xbc, dt, state, None).flatten(0, 1)
+                    continue
+                flat = state.index.flatten()
+                rows = (*state.index.shape, -1)
+                part = self.mix(xbc.flatten(0, 1)[flat].view(rows), dt.flatten(0, 1)[flat].view(rows), state, None)
+                y[flat] = part.flatten(0, 1)
+        return self.out_proj(self.norm(y.view(batch, seq, -1), z))
+
+    def mix(self, xbc: torch.Tensor, dt: torch.Tensor, state: Optional[RecurrentState],
+            seq_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The sequence mixing of rows of tokens: xbc (rows, q, x + B + C channels), dt (rows, q, heads)
+        -> y (rows, q, heads * head_dim): conv, SSD scan (or one recurrent step) and the D skip;
+        the states after each row's last real token go to `state.store`."""
+        rows, seq, _ = xbc.shape
         convs = (self.conv_x, self.conv_b, self.conv_c)
         weight = torch.cat([local(c.weight) for c in convs])
         bias = None if self.conv_x.bias is None else torch.cat([local(c.bias) for c in convs])
         prefix = state.conv if state is not None else None
-        xbc, padded = causal_conv(torch.cat([x, B, C], dim=-1), weight, bias, prefix, seq_ids)
-        x, B, C = F.silu(xbc).split(widths, dim=-1)
-        heads = x.shape[-1] // self.head_dim
-        x = x.view(batch, seq, heads, self.head_dim)
-        B, C = (t.view(batch, seq, -1, self.state_dim) for t in (B, C))
-        dt = F.softplus(self.dt_proj(u).float() + local(self.dt_bias).float())
-        dt = dt.clamp(*self.dt_limit)
+        out, padded = causal_conv(xbc, weight, bias, prefix, seq_ids)
+        heads = dt.shape[-1]
+        inner = heads * self.head_dim
+        bc = (xbc.shape[-1] - inner) // 2  # B and C: groups x state_dim each
+        x, B, C = F.silu(out).split([inner, bc, bc], dim=-1)
+        x = x.view(rows, seq, heads, self.head_dim)
+        B, C = (t.view(rows, seq, -1, self.state_dim) for t in (B, C))
         A = -torch.exp(local(self.A_log).float())
         lengths = state.lengths if state is not None else None
         if lengths is not None:  # right padding: dt = 0 there leaves the state as the last real token left it
-            dt = dt * (torch.arange(seq, device=u.device)[None, :] < lengths[:, None])[..., None]
+            dt = dt * (torch.arange(seq, device=dt.device)[None, :] < lengths[:, None])[..., None]
         if state is not None and state.ssm is not None and seq == 1:
             y, ssm_state = ssd.step(state.ssm, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
             y = y[:, None]
@@ -157,7 +180,7 @@ class Mamba2Mixer(nn.Module):
         y = y + x * local(self.D).to(x.dtype)[:, None]
         if state is not None:
             state.store(conv_tail(padded, weight.shape[-1] - 1, lengths), ssm_state)
-        return self.out_proj(self.norm(y.reshape(batch, seq, -1), z))
+        return y.reshape(rows, seq, -1)
 
 
 def conv_tail(padded: torch.Tensor, width: int, lengths: Optional[torch.Tensor]) -> torch.Tensor:

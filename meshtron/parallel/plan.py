@@ -25,6 +25,7 @@ from meshtron.config.schema import ModelConfig, RunConfig
 from meshtron.models.gpt import GPTModel
 from meshtron.models.mtp import combine_losses, forward_for_loss
 from meshtron.nn.context import PackedContext
+from meshtron.parallel.activation_checkpoint import SELECTIVE
 from meshtron.parallel.dims import ParallelDims
 
 FP32_BYTES = 4  # parameters, gradients and optimizer states are fp32 in every precision (bf16 only casts compute)
@@ -335,7 +336,7 @@ def _stage_forward(model: GPTModel, chunk: Chunk, tokens: torch.Tensor) -> Optio
 
 def recomputed(mode: str, symbol: str) -> bool:
     """Whether `apply_activation_checkpoint` wraps a sublayer of this symbol."""
-    return mode == "full" or (mode == "selective" and symbol == "*")
+    return mode == "full" or (mode == "selective" and symbol in SELECTIVE)
 
 
 def chunk_activation_bytes(regions: dict[Hashable, int], chunk: Chunk, cfg: RunConfig, dims: ParallelDims,

@@ -72,12 +72,12 @@ def test_right_padding_leaves_each_rows_state_at_its_last_real_token():
     u = torch.randn(3, 9, 16)
     lengths = torch.tensor([9, 4, 1])
     stored = {}
-    padded_ctx = type("Ctx", (), {"mamba_state": lambda self, i: RecurrentState(
-        None, None, lengths, lambda conv, ssm: stored.update(padded=(conv, ssm)))})()
+    padded_ctx = type("Ctx", (), {"mamba_states": lambda self, i: [RecurrentState(
+        None, None, lengths, lambda conv, ssm: stored.update(padded=(conv, ssm)))]})()
     out = mixer(u, padded_ctx)
     for row, n in enumerate(lengths.tolist()):
-        one_ctx = type("Ctx", (), {"mamba_state": lambda self, i: RecurrentState(
-            None, None, None, lambda conv, ssm: stored.update(one=(conv, ssm)))})()
+        one_ctx = type("Ctx", (), {"mamba_states": lambda self, i: [RecurrentState(
+            None, None, None, lambda conv, ssm: stored.update(one=(conv, ssm)))]})()
         alone = mixer(u[row:row + 1, :n], one_ctx)
         torch.testing.assert_close(out[row:row + 1, :n], alone, atol=1e-6, rtol=0)
         torch.testing.assert_close(stored["padded"][0][row], stored["one"][0][0], atol=1e-6, rtol=0)
