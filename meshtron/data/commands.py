@@ -60,7 +60,9 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_corpus_stdlib(args: argparse.Namespace) -> int:
     from meshtron.data.corpus import write_stdlib_jsonl
 
-    count = write_stdlib_jsonl(args.output)
+    if args.max_documents is not None and args.max_documents < 1:
+        raise ValueError(f"--max-documents: {args.max_documents} is not allowed; must be >= 1")
+    count = write_stdlib_jsonl(args.output, max_documents=args.max_documents)
     print(f"wrote {args.output}: {count} documents")
     return 0
 
@@ -128,6 +130,8 @@ def register(subparsers) -> None:
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
     stdlib = corpus_sub.add_parser("stdlib", help="write the CPython stdlib sources as jsonl (text, path, license)")
     stdlib.add_argument("--output", required=True, metavar="FILE", help="jsonl file to write")
+    stdlib.add_argument("--max-documents", type=int, default=None, metavar="N",
+                        help="write only the first N files (sorted by path); default all")
     stdlib.set_defaults(func=cmd_corpus_stdlib)
 
     pre = subparsers.add_parser("preprocess", help="tokenize jsonl/text into an indexed PREFIX.bin/.idx dataset")

@@ -36,14 +36,17 @@ def iter_stdlib_documents(root: Path | None = None) -> Iterator[tuple[str, str]]
 STDLIB_LICENSE = "PSF-2.0"  # the Python Software Foundation License covers the standard library sources
 
 
-def write_stdlib_jsonl(output: str | Path, root: Path | None = None) -> int:
-    """Write one JSON line {"text", "path", "license"} per stdlib source file; returns the number written."""
+def write_stdlib_jsonl(output: str | Path, root: Path | None = None, max_documents: int | None = None) -> int:
+    """Write one JSON line {"text", "path", "license"} per stdlib source file (the first `max_documents`
+    by path when given); returns the number written."""
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     count = 0
     with open(tmp, "w", encoding="utf-8") as f:
         for rel_path, text in iter_stdlib_documents(root):
+            if max_documents is not None and count >= max_documents:
+                break
             f.write(json.dumps({"text": text, "path": rel_path, "license": STDLIB_LICENSE}, ensure_ascii=False) + "\n")
             count += 1
     tmp.replace(out)

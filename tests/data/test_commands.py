@@ -24,6 +24,11 @@ def test_corpus_stdlib_writes_one_line_per_source_file(tmp_path, capsys):
     assert first["path"] == str(files[0].relative_to(stdlib_root()))
     assert first["text"] == files[0].read_bytes().decode("utf-8", errors="replace")
     assert f"{len(files)} documents" in capsys.readouterr().out
+    few = tmp_path / "few.jsonl"
+    assert main(["corpus", "stdlib", "--output", str(few), "--max-documents", "3"]) == 0
+    assert few.read_text(encoding="utf-8").splitlines() == lines[:3]
+    assert main(["corpus", "stdlib", "--output", str(few), "--max-documents", "0"]) == 2
+    assert "--max-documents" in capsys.readouterr().err
 
 
 def test_train_preprocess_merge_info(tmp_path, jsonl_file, documents, capsys):
