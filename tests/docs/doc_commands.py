@@ -41,10 +41,12 @@ SHRINK = {
     "--train.micro_batch_size": "2", "--train.global_batch_size": "2", "--train.peak_flops": "1e11",
     "--model.num_layers": "1", "--model.hidden_size": "32",
     "--model.num_attention_heads": "4", "--model.num_query_groups": "2", "--model.ffn_hidden_size": "64",
-    "--model.max_position_embeddings": "64", "--data.seq_length": "32",
+    "--model.max_position_embeddings": "256", "--data.seq_length": "32",
     "--logger.progress_bar": "off", "--checkpoint.save_interval": "0",
     "--max-new-tokens": "8", "--max-documents": "40", "--kv-cache-memory-mb": "16",
 }
+# Verbs that allocate nothing and run in seconds as written: shrinking would only change what they check.
+NO_SHRINK_VERBS = {"plan", "config", "check-api", "data", "convert"}
 # `meshtron bench train` hands its arguments to the benchmark's own parser.
 SHRINK_BENCH_TRAIN = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1"]
 # The dry run of a torchrun line needs a vocabulary size when the tokenizer files are not there yet.
@@ -189,6 +191,8 @@ def shrink(tail: list[str]) -> list[str]:
     """`tail` with the SHRINK flags its verb accepts appended (they override the page's values)."""
     if tail[:2] == ["bench", "train"]:
         return [*tail, *SHRINK_BENCH_TRAIN]
+    if tail[0] in NO_SHRINK_VERBS:
+        return list(tail)
     known = {opt for a in verb_parser(_cli_parser(), tail)._actions for opt in a.option_strings}
     extra = [token for flag, value in SHRINK.items() if flag in known for token in (flag, value)]
     return [*tail, *extra]
