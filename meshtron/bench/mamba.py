@@ -12,7 +12,10 @@ so its parameter count matches the hybrid's; for decoding also a pure Mamba-2 st
 - Decoding: prefill a prompt of each length through the model's cache context (KV for attention,
   conv + SSM state for Mamba), then time single-token steps; median ms per token. Attention reads
   a cache that grows with the length; the Mamba state does not.
-Ratios are hybrid / attention in the same run.
+Times are the process's CPU time (`time.process_time`) with one torch thread by default: on a
+shared machine wall-clock time also counts other people's work, CPU time only this computation
+(on a quiet machine with one thread they agree; wall times are recorded too). Ratios are
+hybrid / attention in the same run.
 
     python benchmarks/mamba.py [--train-lengths 512,1024,2048,4096] [--decode-lengths 512,...,8192] ...
 """
@@ -123,19 +126,20 @@ def train_worker(args: argparse.Namespace, name: str, seq: int) -> dict[str, Any
     tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(args.seed))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     before = current_rss_bytes()
-    times = []
+    cpu, wall = [], []
     for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    return {"model": name, "seq_length": seq, "batch": batch, "step_s": step, "tokens_per_s": batch * seq / step,
-            "peak_mem_mb": (peak_rss_bytes() - before) / 2**20, "loss": float(loss)}
+            cpu.append(time.process_time() - t0)
+            wall.append(time.perf_counter() - w0)
+    step = statistics.median(cpu)
+    return {"model": name, "seq_length": seq, "batch": batch, "step_cpu_s": step, "step_wall_s": statistics.median(wall),
+            "tokens_per_s": batch * seq / step, "peak_mem_mb": (peak_rss_bytes() - before) / 2**20, "loss": float(loss)}
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
@@ -170,18 +174,19 @@ def run_decoding(args: argparse.Namespace) -> list[dict[str, Any]]:
             prompt = torch.randint(0, VOCAB, (1, seq), generator=g)
             ctx = KVCacheContext(1, seq + args.decode_steps + 1)
             with torch.inference_mode():
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 next_id = model(prompt, ctx.begin(prompt))[:, -1:].argmax(-1)
-                prefill = time.perf_counter() - t0
+                prefill = time.process_time() - t0
                 ctx.advance()
-                times = []
+                cpu, wall = [], []
                 for _ in range(args.decode_steps):
-                    t0 = time.perf_counter()
+                    t0, w0 = time.process_time(), time.perf_counter()
                     next_id = model(next_id, ctx.begin(next_id))[:, -1:].argmax(-1)
                     ctx.advance()
-                    times.append(time.perf_counter() - t0)
-            rows.append({"model": name, "context": seq, "decode_ms_per_token": statistics.median(times) * 1e3,
-                         "prefill_s": prefill})
+                    cpu.append(time.process_time() - t0)
+                    wall.append(time.perf_counter() - w0)
+            rows.append({"model": name, "context": seq, "decode_ms_per_token": statistics.median(cpu) * 1e3,
+                         "decode_wall_ms_per_token": statistics.median(wall) * 1e3, "prefill_cpu_s": prefill})
             print(f"  decode {name:9s} context {seq:5d}: {rows[-1]['decode_ms_per_token']:6.2f} ms/token", flush=True)
     return rows
 
@@ -202,7 +207,7 @@ def summarize(train: list[dict], decode: list[dict]) -> dict[str, Any]:
 
 
 def print_tables(train: list[dict], decode: list[dict], summary: dict) -> None:
-    print("\ntraining (median step; peak memory above the pre-step process)")
+    print("\ntraining tokens per CPU-second (median step) and peak memory above the pre-step process")
     print(f"{'seq':>6} {'hybrid tok/s':>13} {'attn tok/s':>11} {'ratio':>6} {'hybrid MB':>10} {'attn MB':>8} {'ratio':>6}")
     t = {(r["model"], r["seq_length"]): r for r in train}
     for seq, ratio in summary["train_hybrid_over_attention"].items():
@@ -210,7 +215,7 @@ def print_tables(train: list[dict], decode: list[dict], summary: dict) -> None:
         print(f"{seq:>6} {h['tokens_per_s']:>13.0f} {a['tokens_per_s']:>11.0f} {ratio['tokens_per_s']:>6.2f} "
               f"{h['peak_mem_mb']:>10.0f} {a['peak_mem_mb']:>8.0f} {ratio['peak_mem']:>6.2f}")
     models = sorted({r["model"] for r in decode})
-    print("\ndecode ms/token after a prompt of each length (median)")
+    print("\ndecode CPU ms/token after a prompt of each length (median)")
     print(f"{'context':>8} " + " ".join(f"{m:>10}" for m in models))
     d = {(r["model"], r["context"]): r for r in decode}
     for seq in sorted({r["context"] for r in decode}):

@@ -93,6 +93,9 @@ class ModelConfig:
     mamba_dt_init_floor: float = option(1e-4, "Mamba: the dt init is clamped to at least this")
     mamba_dt_limit_min: float = option(0.0, "Mamba: dt = softplus(. + dt_bias) is clamped to [dt_limit_min, dt_limit_max]")
     mamba_dt_limit_max: float = option(float("inf"), "Mamba: upper dt clamp (inf: none)")
+    mamba_recompute_scan: bool = option(
+        True, "Mamba: keep only the SSD scan's inputs for backward and recompute its chunk matrices there "
+              "(about half a Mamba sublayer's activation memory for ~15% more of its time)")
     init_method_std: float = option(0.02, "Std of the normal init of weights")
     scaled_init: bool = option(True, "Scale output-projection init by 1/sqrt(2 * num_layers)")
     attention_dropout: float = option(0.0, "Dropout on attention probabilities")

@@ -48,7 +48,8 @@ def build_mamba(cfg: ModelConfig, layer_id: int) -> nn.Module:
         layer_id=layer_id, conv_kernel=cfg.mamba_conv_kernel, conv_bias=cfg.mamba_conv_bias,
         proj_bias=cfg.mamba_proj_bias, chunk_size=cfg.mamba_chunk_size, dt_min=cfg.mamba_dt_min,
         dt_max=cfg.mamba_dt_max, dt_init_floor=cfg.mamba_dt_init_floor,
-        dt_limit=(cfg.mamba_dt_limit_min, cfg.mamba_dt_limit_max), norm_eps=cfg.norm_epsilon)
+        dt_limit=(cfg.mamba_dt_limit_min, cfg.mamba_dt_limit_max), norm_eps=cfg.norm_epsilon,
+        recompute_scan=cfg.mamba_recompute_scan)
 
 
 class Sublayer(nn.Module):

@@ -6,7 +6,8 @@ For input u (batch, seq, hidden), with H heads of P channels, G groups and state
     dt = clamp(softplus(dt + dt_bias), dt_limit_min, dt_limit_max),  A = -exp(A_log)
     y = SSD(x, dt, A, B, C) + D * x                                      (nn/ssd.py)
     out = (group_rmsnorm(y * silu(z)) * norm_weight) Wout                (one norm group per B/C group)
-The projections are separate matrices (Hugging Face fuses z, x, B, C, dt into one `in_proj`, and
+With `recompute_scan`, backward recomputes the scan's chunk matrices from its inputs instead of
+keeping them (they are chunk x chunk per head and token). The projections are separate matrices (Hugging Face fuses z, x, B, C, dt into one `in_proj`, and
 x, B, C into one conv; the converters concatenate) so tensor parallelism can split each by head
 or group. Parameters that belong to heads or channels (A_log, D, dt_bias, the conv weights, the
 norm weight) may arrive as tensor-parallel shards: the mixer uses this rank's share of them.
@@ -17,12 +18,14 @@ log-uniform in [dt_min, dt_max], clamped to >= dt_init_floor; conv weights U(+-1
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.nn import ssd
 from meshtron.nn.context import RecurrentState
@@ -53,11 +56,48 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return GatedRMSNormFunction.apply(x, z, local(self.weight), self.group_size, self.eps)
+
+
+def _gated_rms(x: torch.Tensor, z: torch.Tensor, group_size: int, eps: float):
+    """-> (normalised (..., groups, group_size) in >= fp32, 1/rms (..., groups, 1), silu(z), x * silu(z))."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    gate = F.silu(z.to(compute))
+    h = x.to(compute) * gate
+    g = h.view(*h.shape[:-1], -1, group_size)
+    rstd = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return g * rstd, rstd, gate, h
+
+
+class GatedRMSNormFunction(torch.autograd.Function):
+    """The gated norm with a backward that keeps only x, z and 1/rms (the product, its square and
+    the normalised values are recomputed): three tensors of the inner width fewer per sublayer.
+    With h = x silu(z), n = h r per group (r = 1/rms), y = n w:
+        dn = dy w,  dw = sum dy n,  dh = r (dn - n mean_group(dn n)),
+        dx = dh silu(z),  dz = dh x silu'(z),  silu'(z) = sig(z) (1 + z (1 - sig(z)))."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, group_size: int, eps: float):
+        n, rstd, _, _ = _gated_rms(x, z, group_size, eps)
+        ctx.save_for_backward(x, z, weight, rstd)
+        ctx.group_size = group_size
+        return (n.view(x.shape) * weight.to(n.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight, rstd = ctx.saved_tensors
         compute = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(compute) * F.silu(z.to(compute))
-        g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (g.view(h.shape) * local(self.weight).to(compute)).to(x.dtype)
+        gate = F.silu(z.to(compute))
+        g = (x.to(compute) * gate).view(*x.shape[:-1], -1, ctx.group_size)
+        n = g * rstd
+        dy = dy.to(compute)
+        dw = (dy * n.view(x.shape)).flatten(0, -2).sum(0)
+        dn = (dy * weight.to(compute)).view(n.shape)
+        dh = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).view(x.shape)
+        sig = torch.sigmoid(z.to(compute))
+        dx = dh * gate
+        dz = dh * x.to(compute) * sig * (1 + z.to(compute) * (1 - sig))
+        return dx.to(x.dtype), dz.to(z.dtype), dw.to(weight.dtype), None, None
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], prefix: Optional[torch.Tensor],
@@ -88,7 +128,8 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_groups: int, state_dim: int, *,
                  layer_id: int, conv_kernel: int = 4, conv_bias: bool = True, proj_bias: bool = False,
                  chunk_size: int = 128, dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 dt_limit: tuple[float, float] = (0.0, float("inf")), norm_eps: float = 1e-5):
+                 dt_limit: tuple[float, float] = (0.0, float("inf")), norm_eps: float = 1e-5,
+                 recompute_scan: bool = False):
         super().__init__()
         if num_heads % num_groups:
             raise ValueError(f"mamba_num_groups={num_groups} must divide the {num_heads} heads")
@@ -97,6 +138,7 @@ class Mamba2Mixer(nn.Module):
         self.heads_per_group = num_heads // num_groups
         self.dt_init = (dt_min, dt_max, dt_init_floor)
         self.dt_limit = dt_limit
+        self.recompute_scan = recompute_scan
         inner, bc = num_heads * head_dim, num_groups * state_dim
         self.z_proj = nn.Linear(hidden_size, inner, bias=proj_bias)
         self.x_proj = nn.Linear(hidden_size, inner, bias=proj_bias)
@@ -176,7 +218,10 @@ class Mamba2Mixer(nn.Module):
             y = y[:, None]
         else:
             initial = state.ssm if state is not None else None
-            y, ssm_state = ssd.chunk_scan(x, dt, A, B, C, self.chunk_size, initial, seq_ids)
+            scan = ssd.chunk_scan
+            if self.recompute_scan and torch.is_grad_enabled() and x.requires_grad:
+                scan = functools.partial(checkpoint, ssd.chunk_scan, use_reentrant=False)
+            y, ssm_state = scan(x, dt, A, B, C, self.chunk_size, initial, seq_ids)
         y = y + x * local(self.D).to(x.dtype)[:, None]
         if state is not None:
             state.store(conv_tail(padded, weight.shape[-1] - 1, lengths), ssm_state)

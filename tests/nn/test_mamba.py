@@ -103,3 +103,32 @@ def test_training_backward_reaches_every_mamba_parameter():
     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_gated_norm_backward_equals_autograd_of_the_formula():
+    from meshtron.nn.mamba import GatedRMSNormFunction
+
+    g = torch.Generator().manual_seed(0)
+    x, z = (torch.randn(2, 5, 12, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(12, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def formula(x, z, w):  # rmsnorm over groups of 4 of x * silu(z), times w
+        h = (x * F.silu(z)).view(2, 5, 3, 4)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, 5, 12) * w
+
+    dy = torch.randn(2, 5, 12, dtype=torch.float64, generator=g)
+    ours = torch.autograd.grad((GatedRMSNormFunction.apply(x, z, w, 4, 1e-5) * dy).sum(), (x, z, w))
+    ref = torch.autograd.grad((formula(x, z, w) * dy).sum(), (x, z, w))
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_recomputed_scan_gives_the_same_gradients():
+    grads = []
+    for recompute in (False, True):
+        model = hybrid(mamba_recompute_scan=recompute).train()
+        tokens = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=0, msg=name)
