@@ -76,7 +76,8 @@ def register(subparsers) -> None:
     to_hf = convert_sub.add_parser("meshtron-to-hf", help="a meshtron checkpoint -> a Hugging Face model directory")
     to_hf.add_argument("--checkpoint", required=True, metavar="CKPT", help="a step dir or its parent with 'latest'")
     to_hf.add_argument("--output", required=True, metavar="DIR", help="directory for config.json and safetensors")
-    to_hf.add_argument("--architecture", default=None, help="llama, mistral, qwen2, qwen3 or gpt2 "
+    to_hf.add_argument("--architecture", default=None, help="a family name (llama, mistral, qwen2, qwen3, gpt2, "
+                       "mamba2, nemotron_h, mixtral, qwen3_moe, deepseek_v3, gpt_oss) or its architecture "
                        "(default: the checkpoint's Hugging Face origin, else guessed from the model config)")
     to_hf.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
                        help="tensor dtype (default: the origin's dtype, else fp32)")

@@ -39,10 +39,11 @@ class LocalHandle:
 def permute(tokens: torch.Tensor, probs: torch.Tensor,
             routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
     """Rows of `tokens` gathered expert by expert (token order within an expert)."""
-    expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)
-    tokens_per_expert = routing_map.sum(0)
-    handle = LocalHandle(token_ids, probs[token_ids, expert_ids], tokens.shape[0])
-    return tokens[token_ids], tokens_per_expert, handle
+    by_expert = routing_map.t()                                 # (E, T): row-major order is expert-major
+    token_ids = by_expert.nonzero(as_tuple=True)[1]
+    weights = probs.t().masked_select(by_expert)                # same order as token_ids
+    handle = LocalHandle(token_ids, weights, tokens.shape[0])
+    return tokens.index_select(0, token_ids), routing_map.sum(0), handle
 
 
 def unpermute(rows: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
