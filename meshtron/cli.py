@@ -1,6 +1,8 @@
 """The `meshtron` command: parse arguments, build a config, call one function.
 
-    meshtron train --config C [--section.field value ...]
+    meshtron train --config C [--section.field value ...] [--save-wgrads DIR --save-dgrads DIR]
+    meshtron distill --config C [--teacher.load DIR --distill.losses kl,hidden_cosine ...]
+    meshtron grads compare RUN_A RUN_B [--step N]
     meshtron generate --checkpoint DIR --prompt "def " [--max-new-tokens --temperature --top-k --top-p --seed]
     meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 engine options]
     meshtron rl --config C [--section.field value ...]
@@ -30,6 +32,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
     Trainer(cfg).train()
     return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from meshtron.config.loader import load_config
+    from meshtron.distill import DistillTrainer
+
+    cfg = load_config(args.config, overrides_from_args(args))
+    DistillTrainer(cfg).train()
+    return 0
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every config field as --section.field, plus the short gradient-capture flags."""
+    add_config_arguments(parser)
+    group = parser.add_argument_group("gradient capture (same as --grads.*)")
+    group.add_argument("--save-wgrads", dest="grads.save_wgrads", default=argparse.SUPPRESS, metavar="DIR",
+                       help="save the weight gradients of every linear and embedding layer under DIR")
+    group.add_argument("--save-dgrads", dest="grads.save_dgrads", default=argparse.SUPPRESS, metavar="DIR",
+                       help="save their input/output activation gradients under DIR")
+    group.add_argument("--save-grads-interval", dest="grads.interval", default=argparse.SUPPRESS, metavar="N",
+                       help="capture every N-th step (default 1)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -92,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model from a config", description="Train a model. Every config "
                            "field is a flag --section.field; values given here override the YAML file.")
-    add_config_arguments(train)
+    add_training_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    distill = sub.add_parser("distill", help="distill a frozen teacher into a student",
+                             description="Train the student of the config against the teacher of teacher.load "
+                                         "with the losses of the distill section (docs/distillation.md).")
+    add_training_arguments(distill)
+    distill.set_defaults(func=cmd_distill)
 
     gen = sub.add_parser("generate", help="sample text from a checkpoint")
     gen.add_argument("--checkpoint", required=True, help="checkpoint directory (a step dir or its parent with 'latest')")
@@ -133,8 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     from meshtron.api_check import register as register_check_api
     from meshtron.config.commands import register as register_config_commands
     from meshtron.data.commands import register as register_data_commands
+    from meshtron.training.grad_compare import register as register_grads_commands
 
     register_data_commands(sub)
+    register_grads_commands(sub)
     register_config_commands(sub, extra_sections=(ENGINE_SECTION,))
     register_check_api(sub)
     try:

@@ -5,20 +5,25 @@ from meshtron.config.loader import config_from_dict, config_to_dict, load_config
 from meshtron.config.schema import (
     CheckpointConfig,
     DataConfig,
+    DistillConfig,
     EnvConfig,
+    GradsConfig,
     LoggerConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    ProfileConfig,
     RLConfig,
     RunConfig,
     SchedulerConfig,
+    TeacherConfig,
     TokenizerConfig,
     TrainConfig,
 )
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "EnvConfig", "LoggerConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelConfig", "RLConfig", "RunConfig", "SchedulerConfig", "TokenizerConfig", "TrainConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "DistillConfig", "EnvConfig", "GradsConfig", "LoggerConfig",
+    "ModelConfig", "OptimizerConfig", "ParallelConfig", "ProfileConfig", "RLConfig", "RunConfig", "SchedulerConfig",
+    "TeacherConfig", "TokenizerConfig", "TrainConfig",
     "config_from_dict", "config_to_dict", "load_config", "save_config",
 ]

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -42,6 +42,15 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def _is_text_field(section: str, name: str, text: str) -> bool:
+    """A str field (or a list[str] given as 'a,b') takes a flag's text as is: YAML would read '2:4' as 124."""
+    cls = _section_classes().get(section)
+    tp = field_types(cls).get(name) if cls is not None else None
+    if text.lower() in ("null", "none") or text.lstrip().startswith("["):
+        return False
+    return tp is str or tp == Optional[str] or tp == list[str]
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None,
                 world_size: int | None = None) -> RunConfig:
     """Defaults, then the YAML file at `path`, then `overrides` ({'section.field': 'text'}); validated."""
@@ -67,7 +76,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         if "." not in key:
             raise ConfigError(f"--{key}: overrides are --section.field value, e.g. --train.train_iters 100")
         section, name = key.split(".", 1)
-        _assign(cfg, section, name, _parse_scalar(text))
+        _assign(cfg, section, name, text if _is_text_field(section, name, text) else _parse_scalar(text))
     cfg.validate(world_size=world_size or int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
 

@@ -418,9 +418,15 @@ class OptimizerConfig:
     adam_eps: float = option(1e-8, "Adam epsilon")
     sgd_momentum: float = option(0.0, "SGD momentum")
     clip_grad: float = option(1.0, "Clip the global gradient norm to this; 0 disables clipping")
+    offload_fraction: float = option(0.0, "Fraction of optimizer states (by parameter count) kept in host memory "
+                                          "(pinned on CUDA) and stepped on the CPU; 0 keeps all on the device")
+    offload_overlap: bool = option(True, "With offload on CUDA: copy gradients and parameters on a side stream, "
+                                         "pipelined with the CPU step chunk by chunk")
 
     def validate(self) -> None:
         check(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
+        check(0.0 <= self.offload_fraction <= 1.0, "optimizer.offload_fraction", self.offload_fraction,
+              "must be in [0, 1]")
         check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "must be >= 0")
         check(0 <= self.adam_beta1 < 1, "optimizer.adam_beta1", self.adam_beta1, "must be in [0, 1)")
         check(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", self.adam_beta2, "must be in [0, 1)")
@@ -512,8 +518,11 @@ class TokenizerConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Datasets, their blend and split, sequence length, packing and fill-in-the-middle."""
+    """Datasets, their blend and split, sequence length, packing, fill-in-the-middle, chat (SFT) data."""
 
+    format: Literal["indexed", "sft"] = option(
+        "indexed", "indexed: data.paths are preprocessed prefixes (empty: the stdlib corpus); sft: data.paths are "
+                   "chat jsonl files of {'messages': [{'role', 'content'}, ...]}, loss on assistant tokens only")
     paths: list[str] = option([], "Indexed dataset prefixes, optionally weighted: [0.7, prefA, 0.3, prefB]; "
                                   "empty uses the embedded corpus (CPython standard library sources)")
     split: str = option("969,30,1", "Train/valid/test weights over documents, e.g. '969,30,1'")
@@ -533,6 +542,9 @@ class DataConfig:
     fim_middle_token: str = option("<|fim_middle|>", "FIM sentinel before the middle")
     fim_suffix_token: str = option("<|fim_suffix|>", "FIM sentinel before the suffix")
     fim_pad_token: Optional[str] = option(None, "FIM padding token; null uses the tokenizer's pad token")
+    sft_pack: bool = option(True, "SFT: pack whole conversations best-fit into each sample (false: one per sample, padded)")
+    chat_template: Optional[str] = option(None, "SFT: a Jinja chat template file; null uses the tokenizer's own "
+                                                "(tokenizer_config.json or chat_template.jinja), else ChatML")
 
     def split_weights(self) -> list[float]:
         try:
@@ -566,7 +578,11 @@ class DataConfig:
     def validate(self) -> None:
         check(self.seq_length >= 1, "data.seq_length", self.seq_length, "must be >= 1")
         self.split_weights()
-        self.blend()
+        if self.format == "sft":
+            check(bool(self.paths) and not any(_is_number(p) for p in self.paths), "data.paths", self.paths,
+                  "data.format sft reads chat jsonl files: list them, e.g. [chats.jsonl]")
+        else:
+            self.blend()
         for name in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
             v = getattr(self, name)
             check(0.0 <= v <= 1.0, f"data.{name}", v, "must be in [0, 1]")
@@ -608,6 +624,98 @@ class LoggerConfig:
 
     def validate(self) -> None:
         check(self.log_interval >= 1, "logger.log_interval", self.log_interval, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class GradsConfig:
+    """Gradient capture for comparing runs (--save-wgrads / --save-dgrads; meshtron grads compare)."""
+
+    save_wgrads: Optional[str] = option(None, "Directory for the weight gradients of every linear and embedding layer "
+                                              "(full tensors, written by rank 0; also --save-wgrads)")
+    save_dgrads: Optional[str] = option(None, "Directory for the input and output activation gradients of those layers "
+                                              "(full tensors in global batch order; also --save-dgrads)")
+    interval: int = option(1, "Capture at every N-th optimizer step (also --save-grads-interval)")
+
+    def validate(self) -> None:
+        check(self.interval >= 1, "grads.interval", self.interval, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    """torch.profiler traces of chosen steps, and NVTX ranges on CUDA."""
+
+    steps: Optional[str] = option(None, "'a:b' records optimizer steps a to b-1 (1-based) with torch.profiler; null: off")
+    dir: Optional[str] = option(None, "Where traces are written; null means <run_dir>/profile")
+    record_shapes: bool = option(False, "Record operator input shapes in the trace")
+    profile_memory: bool = option(False, "Record tensor allocations in the trace")
+    with_stack: bool = option(False, "Record Python stacks in the trace (large)")
+    nvtx: bool = option(False, "On CUDA: NVTX ranges around forward, backward, optimizer and communication (for nsys)")
+
+    def step_range(self) -> Optional[tuple[int, int]]:
+        """(first, end) optimizer steps to record, end excluded; None when profiling is off."""
+        if self.steps is None:
+            return None
+        first, sep, end = str(self.steps).partition(":")
+        ok = sep == ":" and first.strip().isdigit() and end.strip().isdigit()
+        check(ok and 1 <= int(first) < int(end), "profile.steps", self.steps,
+              "give 'a:b' with 1 <= a < b, records steps a to b-1 (quote it in YAML: '2:4')")
+        return int(first), int(end)
+
+    def validate(self) -> None:
+        self.step_range()
+
+
+@dataclass(kw_only=True)
+class TeacherConfig:
+    """The frozen teacher of knowledge distillation (meshtron distill)."""
+
+    load: Optional[str] = option(None, "Distillation teacher: a meshtron checkpoint (a step dir or its parent with "
+                                       "'latest') or a Hugging Face model directory (config.json + safetensors)")
+    config: Optional[str] = option(None, "YAML file whose model section describes the teacher (any width, depth, "
+                                         "pattern); null reads the config saved with the checkpoint")
+
+    def validate(self) -> None:
+        check(self.config is None or self.load is not None, "teacher.load", self.load,
+              "teacher.config describes the teacher but its weights are needed too: set teacher.load")
+
+
+@dataclass(kw_only=True)
+class DistillConfig:
+    """Knowledge distillation: the losses, their weights, temperature, top-k and hidden-state layer pairs."""
+
+    losses: list[str] = option(["kl"], "Distillation losses: kl (forward KL), reverse_kl, topk_kl, hidden_cosine, "
+                                       "hidden_mse, or any registered name")
+    weights: list[float] = option([], "Weight of each loss in distill.losses, in order; empty gives each 1.0")
+    label_weight: float = option(0.0, "Weight of the student's own cross-entropy on the labels")
+    temperature: float = option(1.0, "Softmax temperature of the logits losses (their value is scaled by T^2)")
+    top_k: int = option(32, "topk_kl: the teacher's k most likely tokens, renormalised over those k")
+    layer_pairs: list[str] = option(["-1:-1"], "hidden_*: 'student:teacher' sublayer indices (0-based, negative from "
+                                               "the end) whose outputs are compared; widths may differ")
+
+    def parsed_layer_pairs(self) -> list[tuple[int, int]]:
+        pairs = []
+        for entry in self.layer_pairs:
+            s, sep, t = str(entry).partition(":")
+            try:
+                pairs.append((int(s), int(t)))
+            except ValueError:
+                check(False, "distill.layer_pairs", entry, "give 'student:teacher' sublayer indices like '3:7' or '-1:-1'")
+            check(sep == ":", "distill.layer_pairs", entry,
+                  "give 'student:teacher' sublayer indices like '3:7' (quote them in YAML)")
+        return pairs
+
+    def validate(self) -> None:
+        check(bool(self.losses), "distill.losses", self.losses, "name at least one loss, e.g. [kl]")
+        check(not self.weights or len(self.weights) == len(self.losses), "distill.weights", self.weights,
+              f"give one weight per loss in distill.losses ({len(self.losses)}) or none")
+        check(all(w >= 0 for w in self.weights), "distill.weights", self.weights, "weights must be >= 0")
+        check(self.label_weight >= 0, "distill.label_weight", self.label_weight, "must be >= 0")
+        check(self.temperature > 0, "distill.temperature", self.temperature, "must be > 0")
+        check(self.top_k >= 1, "distill.top_k", self.top_k, "must be >= 1")
+        self.parsed_layer_pairs()
+
+    def loss_weights(self) -> dict[str, float]:
+        return dict(zip(self.losses, self.weights or [1.0] * len(self.losses)))
 
 
 @dataclass(kw_only=True)
@@ -717,6 +825,10 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    grads: GradsConfig = field(default_factory=GradsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def validate(self, world_size: int = 1) -> None:
         """Check every section, then the fields that depend on each other."""

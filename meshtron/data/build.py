@@ -1,8 +1,9 @@
 """Build the train/valid/test datasets a run's config asks for.
 
-Empty `data.paths` reads the embedded stdlib corpus raw (stream.py). Otherwise each prefix is an
-indexed dataset split by documents; each split is a GPTDataset (or a best-fit PackedDataset), with
-FIM when data.fim_rate > 0, blended by weight when several prefixes are given.
+Empty `data.paths` reads the embedded stdlib corpus raw (stream.py); `data.format: sft` reads chat
+jsonl (sft.py). Otherwise each prefix is an indexed dataset split by documents; each split is a
+GPTDataset (or a best-fit PackedDataset), with FIM when data.fim_rate > 0, blended by weight when
+several prefixes are given.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def build_split(indexed: list[IndexedDataset], weights: list[float], k: int, req
 def build_datasets(cfg: RunConfig, tokenizer: Tokenizer):
     """Returns [train, valid, test]; an empty `data.paths` reads the embedded stdlib corpus raw."""
     data = cfg.data
+    if data.format == "sft":
+        from meshtron.data.sft import build_sft_datasets
+
+        return build_sft_datasets(cfg, tokenizer)
     if not data.paths:
         return build_stream_datasets(data, tokenizer)
     weights, prefixes = data.blend()

@@ -120,26 +120,35 @@ class PackedDataset:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
-        L = self.seq_length
         rng = np.random.default_rng([self.seed, i]) if self.transform is not None else None
-        input_ids = np.full(L, self.pad_id, dtype=np.int64)
-        labels = np.full(L, self.pad_id, dtype=np.int64)
-        loss_mask = np.zeros(L, dtype=np.float32)
-        pieces = self.piece_ids(i)
-        document_ids = np.full(L, len(pieces), dtype=np.int64)   # padding is one more "document" of its own
-        position_ids = np.arange(L, dtype=np.int64)
-        at = 0
-        for k, p in enumerate(pieces):
+        pieces = []
+        for p in self.piece_ids(i):
             doc, offset, length = (int(x) for x in self.pieces[p])
             tokens = np.asarray(self.indexed.get(doc, offset, length), dtype=np.int64)
             if self.transform is not None:
                 tokens = self.transform(tokens, rng)
-            n = length - 1
-            input_ids[at:at + n], labels[at:at + n] = tokens[:-1], tokens[1:]
-            loss_mask[at:at + n] = 1.0
-            document_ids[at:at + n] = k
-            position_ids[at:at + n] = np.arange(n)
-            at += n
-        position_ids[at:] = np.arange(L - at)
-        return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
-                "document_ids": document_ids, "position_ids": position_ids}
+            pieces.append((tokens, np.ones(length - 1, dtype=np.float32)))
+        return assemble_sample(pieces, self.seq_length, self.pad_id)
+
+
+def assemble_sample(pieces: list[tuple[np.ndarray, np.ndarray]], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One packed sample from pieces (tokens (n + 1,), label loss mask (n,)), each a document of its own:
+    n input/label positions with positions restarting at 0, then padding (its own document, no loss)."""
+    L = seq_length
+    input_ids = np.full(L, pad_id, dtype=np.int64)
+    labels = np.full(L, pad_id, dtype=np.int64)
+    loss_mask = np.zeros(L, dtype=np.float32)
+    document_ids = np.full(L, len(pieces), dtype=np.int64)   # padding is one more "document" of its own
+    position_ids = np.arange(L, dtype=np.int64)
+    at = 0
+    for k, (tokens, mask) in enumerate(pieces):
+        n = len(tokens) - 1
+        assert at + n <= L and len(mask) == n
+        input_ids[at:at + n], labels[at:at + n] = tokens[:-1], tokens[1:]
+        loss_mask[at:at + n] = mask
+        document_ids[at:at + n] = k
+        position_ids[at:at + n] = np.arange(n)
+        at += n
+    position_ids[at:] = np.arange(L - at)
+    return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
+            "document_ids": document_ids, "position_ids": position_ids}

@@ -3,11 +3,13 @@ with the training tensor-parallel plans), and find the tokenizer's chat template
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
 
 import yaml
+
+from meshtron.data.chat import read_chat_template
+
+__all__ = ["load_model_and_tokenizer", "model_name_for", "read_chat_template"]
 
 
 def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None):
@@ -37,20 +39,3 @@ def model_name_for(path) -> str:
     """The checkpoint's directory name; a run's `checkpoints` dir is named after the run."""
     p = Path(path).resolve()
     return p.parent.name if p.name == "checkpoints" else p.name
-
-
-def read_chat_template(tokenizer_dir: Optional[str]) -> Optional[str]:
-    """The Jinja chat template of a Hugging Face tokenizer directory, or None."""
-    if not tokenizer_dir:
-        return None
-    root = Path(tokenizer_dir)
-    root = root if root.is_dir() else root.parent
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text()
-    config = root / "tokenizer_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text()).get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return template
-    return None

@@ -20,14 +20,22 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
                reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
     """Shard every sublayer of `model` (GPTModel or a pipeline stage) and then the root."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
-    kwargs = {"mesh": dp_mesh, "mp_policy": mp, **({"offload_policy": offload} if offload else {})}
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     for i, layer in enumerate(layers):
         # the last sublayer's parameters are needed again at once by backward: keep them gathered
-        fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-    for module in [*layers, model]:
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+        apply_fsdp_unit(layer, dp_mesh, param_dtype=param_dtype, cpu_offload=cpu_offload,
+                        reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    apply_fsdp_unit(model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward,
+                    cpu_offload=cpu_offload)
+
+
+def apply_fsdp_unit(module: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
+                    reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
+    """One FSDP unit: `module`'s parameters not already in a unit below it. A unit gathers its
+    parameters whenever it is called, also from outside its parent's forward (distillation calls
+    its projections on hidden states after the model's forward)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if cpu_offload else {}
+    fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **offload)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

@@ -1,5 +1,6 @@
-"""Optimizer construction: Adam/AdamW or SGD, with weight decay only on matrices
-(never on norms, biases or other 1-D parameters)."""
+"""Optimizer construction: Adam/AdamW or SGD, with weight decay only on matrices (never on norms,
+biases or other 1-D parameters); optionally with a fraction of the states offloaded to the CPU
+(training/offload.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_class(cfg: OptimizerConfig) -> tuple[type, dict]:
+    """(class, keyword arguments) of the configured optimizer."""
+    if cfg.type == "sgd":
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.sgd_momentum}
+    cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
+    return cls, {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
-    if cfg.type == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
-    cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
-    return cls(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    cls, kwargs = optimizer_class(cfg)
+    if cfg.offload_fraction > 0:
+        from meshtron.training.offload import OffloadOptimizer
+
+        return OffloadOptimizer(groups, cls, kwargs, cfg.offload_fraction, overlap=cfg.offload_overlap)
+    return cls(groups, **kwargs)

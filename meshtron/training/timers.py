@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Optional
 
 import torch
 
@@ -19,7 +20,9 @@ def _sync() -> None:
 
 
 class Timers:
-    def __init__(self) -> None:
+    def __init__(self, annotate: Optional[Callable[[str], Any]] = None) -> None:
+        """`annotate(name)`, if given, is a context manager entered around each step phase (profiler ranges)."""
+        self.annotate = annotate
         self.startup: dict[str, float] = {}
         self._step_totals: dict[str, float] = defaultdict(float)
         self._step_counts: dict[str, int] = defaultdict(int)
@@ -35,7 +38,8 @@ class Timers:
     def phase(self, name: str) -> Iterator[None]:
         """Time one phase of the current step (data, forward_backward, optimizer, ...)."""
         t0 = time.perf_counter()
-        yield
+        with self.annotate(name) if self.annotate is not None else nullcontext():
+            yield
         _sync()
         self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - t0
 

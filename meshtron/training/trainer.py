@@ -38,9 +38,11 @@ from meshtron.parallel.distributed import all_reduce_sum, init_distributed
 from meshtron.parallel.parts import ModelParts
 from meshtron.parallel.watchdog import Watchdog, step_time_extremes
 from meshtron.training.flops import measure_matmul_flops
+from meshtron.training.grad_capture import GradCapture
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
+from meshtron.training.profiling import Ranges, StepProfiler
 from meshtron.training.timers import Timers
 
 
@@ -90,7 +92,9 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, echo: bool = True):
-        self.cfg, self.timers, self.echo = cfg, Timers(), echo
+        self.cfg, self.echo = cfg, echo
+        self.ranges = Ranges(nvtx=cfg.profile.nvtx)   # named ranges for the profiler (and NVTX on CUDA)
+        self.timers = Timers(annotate=self.ranges)
         t = cfg.train
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
@@ -103,6 +107,9 @@ class Trainer:
             self._build_data()
         with self.timers.startup_phase("model"):
             self._build_model()
+        self.grad_capture = (GradCapture(self.model_parts, cfg, self.dims, self.group("dp"), self.rank)
+                             if cfg.grads.save_wgrads or cfg.grads.save_dgrads else None)
+        self.profiler = StepProfiler(cfg.profile, self.run_dir, self.rank)
         self.num_params = count_parameters(cfg.model, self.tokenizer.vocab_size)
         self.flops_per_token = flops_per_token(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_length)
         self.step = 0
@@ -155,6 +162,7 @@ class Trainer:
                                                   self.device, seq_length=cfg.data.seq_length)
         else:
             model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        self.extend_model(model)
         if cfg.model.mtp_num_layers and (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1):
             raise ConfigError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers} is not allowed with tp, cp or pp > 1 "
                               "yet (MTP shifts whole sequences through a replicated head); set it to 0")
@@ -181,6 +189,10 @@ class Trainer:
 
             self.context_parallel = ContextParallel(self.mesh["cp"], load_balance=cfg.parallel.cp_load_balance)
 
+    def extend_model(self, model: GPTModel) -> None:
+        """Extension point: add trainable modules to the full model before it is split, sharded and
+        given to the optimizer (distillation attaches its projections here). Default: nothing."""
+
     # ---- one optimizer step -------------------------------------------------------------------
 
     def _autocast(self):
@@ -203,12 +215,16 @@ class Trainer:
             mb = self.context_parallel.shard_batch(mb)
         return mb
 
-    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """(sum of token losses, number of loss tokens, extra losses to log) of one local micro-batch."""
+    def _context(self, mb: dict[str, torch.Tensor]):
+        """A fresh model context for a local micro-batch (packed documents; this rank's part under CP)."""
         if self.context_parallel is not None:
-            ctx = self.context_parallel.context(mb)
-        else:
-            ctx = PackedContext.for_tokens(mb["input_ids"], mb.get("document_ids"), mb.get("position_ids"))
+            return self.context_parallel.context(mb)
+        return PackedContext.for_tokens(mb["input_ids"], mb.get("document_ids"), mb.get("position_ids"))
+
+    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(sum of token losses, number of loss tokens, extra losses to log) of one local micro-batch.
+        Extension point: distillation overrides it (meshtron/distill/trainer.py)."""
+        ctx = self._context(mb)
         # MTP (issue 4): in training, a model with mtp_num_layers > 0 also returns the logits of its
         # MTP depths; combine_losses adds their scaled losses to the sum and returns each depth's
         # (sum, count) and the plain LM loss as extras, which train_step logs separately.
@@ -224,7 +240,8 @@ class Trainer:
         """Sum a per-rank number over the ranks that hold different tokens (dp x cp)."""
         if self.mesh is None:
             return value
-        return float(all_reduce_sum(torch.tensor(value, dtype=torch.float64), self.group("dp_cp")))
+        with self.ranges("communication"):
+            return float(all_reduce_sum(torch.tensor(value, dtype=torch.float64), self.group("dp_cp")))
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """Accumulate gradients over the micro-batches, clip, and step unless anything is non-finite."""
@@ -235,6 +252,8 @@ class Trainer:
             group["lr"] = lr
         micro_batches = [self._local_micro_batch(mb) for mb in micro_batches]
         total_tokens = self._global_sum(sum(float(mb["loss_mask"].sum()) for mb in micro_batches))
+        if self.grad_capture is not None:
+            self.grad_capture.begin(self.step + 1)
         inject = (self.step + 1) in self.cfg.train.debug_nonfinite_steps
         if self.has_moe:
             # each MoE forward's aux loss enters the objective with weight 1 / (forwards of the step on all
@@ -248,10 +267,12 @@ class Trainer:
                 extra_sums: dict[str, list[float]] = {}  # MTP (issue 4): name -> [loss sum, tokens]
                 for i, mb in enumerate(micro_batches):
                     with self._loss_context():
-                        loss, _, extra = self._forward_loss(mb)
+                        with self.ranges("forward"):
+                            loss, _, extra = self._forward_loss(mb)
                         if i == 0 and inject:
                             loss = loss * float("nan")
-                        (loss / max(total_tokens, 1.0)).backward()
+                        with self.ranges("backward"):
+                            (loss / max(total_tokens, 1.0)).backward()
                     loss_sum += loss.item()
                     for name, (value, count) in extra.items():
                         acc = extra_sums.setdefault(name, [0.0, 0.0])
@@ -259,6 +280,8 @@ class Trainer:
             mean_loss = self._global_sum(loss_sum) / max(total_tokens, 1.0)
             extra_means = {name: self._global_sum(v) / max(self._global_sum(c), 1.0)
                            for name, (v, c) in (extra_sums if self.pipeline is None else {}).items()}
+        if self.grad_capture is not None:
+            self.grad_capture.save()
         with self.timers.phase("optimizer"):
             clip = self.cfg.optimizer.clip_grad if self.cfg.optimizer.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"))
@@ -361,6 +384,7 @@ class Trainer:
                 self.save()
             self.checkpoints.wait()
         finally:
+            self.profiler.close()
             logger.close()
             if self.watchdog is not None:
                 self.watchdog.close()
@@ -405,7 +429,8 @@ class Trainer:
         while self.step < t.train_iters:
             with self.timers.phase("data"):
                 batch = self.loader.next_global_batch()
-            result = self._guarded_step(batch)
+            with self.profiler.step(self.step + 1):
+                result = self._guarded_step(batch)
             phases = self.timers.end_step(self.step - first_step - 1)
             interval = self.cfg.parallel.straggler_interval
             if self.mesh is not None and interval and self.step % interval == 0:

@@ -1,0 +1,112 @@
+"""Knowledge distillation on the ordinary training loop: `DistillTrainer` is the `Trainer` with a
+frozen teacher and a different objective. Data, accumulation, parallel layouts, clipping,
+optimizer, checkpoints and logging are the trainer's own.
+
+Per local micro-batch: the teacher runs without gradients on the same tokens and context; the
+student runs as usual; both expose full-vocabulary logits (gathered under tensor parallelism and
+cut to the tokenizer's vocabulary) and, when a loss needs them, the hidden states of the chosen
+layer pairs (the student's projected to the teacher's width); the balancer sums the weighted
+losses over the loss tokens. Evaluation reports the student's own loss on the labels.
+
+The teacher is parallelized like the student (same mesh and plans: TP, FSDP, CP). Pipeline
+parallelism is refused: the teacher's logits would have to follow the student's stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshtron.config.fields import ConfigError
+from meshtron.config.schema import RunConfig
+from meshtron.distill.balancer import LossBalancer
+from meshtron.distill.hidden import DistillProjections, HiddenCapture, resolve_index
+from meshtron.distill.losses import ModelOutputs, build_losses
+from meshtron.distill.teacher import build_teacher, teacher_model_config
+from meshtron.models.gpt import GPTModel
+from meshtron.models.mtp import combine_losses, forward_for_loss
+from meshtron.nn.loss import masked_cross_entropy
+from meshtron.parallel import fsdp_mesh, parallelize_parts
+from meshtron.parallel.fsdp import apply_fsdp_unit
+from meshtron.training.metrics import MetricsLogger
+from meshtron.training.trainer import Trainer
+
+
+class DistillTrainer(Trainer):
+    def __init__(self, cfg: RunConfig, echo: bool = True):
+        if cfg.parallel.pp > 1:
+            raise ConfigError(f"parallel.pp: {cfg.parallel.pp} is not supported by distillation; use TP, FSDP or CP "
+                              "(pp 1)")
+        self.balancer = LossBalancer(build_losses(cfg.distill), cfg.distill.loss_weights(), cfg.distill.label_weight)
+        self.teacher_cfg = teacher_model_config(cfg)
+        self.layer_pairs: list[tuple[int, int]] = []
+        super().__init__(cfg, echo)
+        with self.timers.startup_phase("teacher"):
+            self._build_teacher()
+
+    def extend_model(self, model: GPTModel) -> None:
+        """Resolve the layer pairs and attach the student-to-teacher projections (own FSDP unit)."""
+        if not self.balancer.needs_hidden:
+            return
+        num_student, num_teacher = len(model.cfg.pattern), len(self.teacher_cfg.pattern)
+        self.layer_pairs = [(resolve_index(s, num_student, "student"), resolve_index(t, num_teacher, "teacher"))
+                            for s, t in self.cfg.distill.parsed_layer_pairs()]
+        if not self.layer_pairs:
+            raise ConfigError("distill.layer_pairs: the hidden-state losses need at least one 'student:teacher' pair")
+        width = model.cfg.hidden_size
+        model.distill_projections = DistillProjections(width, self.teacher_cfg.hidden_size, len(self.layer_pairs),
+                                                       std=width ** -0.5).to(self.device)
+        if self.dims.fsdp_enabled and any(True for _ in model.distill_projections.parameters()):
+            apply_fsdp_unit(model.distill_projections, fsdp_mesh(self.mesh, self.dims),
+                            param_dtype=torch.bfloat16 if self.cfg.train.precision == "bf16" else None)
+
+    def _build_teacher(self) -> None:
+        cfg = self.cfg
+        teacher = build_teacher(cfg, self.teacher_cfg, self.tokenizer.vocab_size, self.device)
+        plain = dataclasses.replace(cfg.parallel, activation_checkpoint="none")
+        try:
+            parallelize_parts([teacher], self.dims, self.mesh, dataclasses.replace(cfg, model=self.teacher_cfg,
+                                                                                    parallel=plain))
+        except ConfigError as e:
+            raise ConfigError(f"teacher: {e}") from None
+        self.teacher = teacher
+        seq_mesh = self.mesh["tp"] if self.dims.tp > 1 and cfg.parallel.sequence_parallel else None
+        self.student_hidden = self.teacher_hidden = None
+        if self.layer_pairs:
+            self.student_hidden = HiddenCapture(self.model, [s for s, _ in self.layer_pairs], seq_mesh)
+            self.teacher_hidden = HiddenCapture(teacher, [t for _, t in self.layer_pairs], seq_mesh)
+
+    def _vocabulary_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary logits (gathered if vocabulary-sharded), cut to the tokenizer's ids."""
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits[..., : self.tokenizer.vocab_size]
+
+    def _forward_loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if not self.model.training:
+            return super()._forward_loss(mb)   # evaluation: the student's own loss on the labels
+        with torch.no_grad(), self._autocast():
+            teacher_logits = self.teacher(mb["input_ids"], self._context(mb))
+        teacher = ModelOutputs(self._vocabulary_logits(teacher_logits),
+                               self.teacher_hidden.take() if self.teacher_hidden else [])
+        with self._autocast():
+            logits, mtp_logits = forward_for_loss(self.model, mb["input_ids"], self._context(mb))
+            hidden = self.model.distill_projections(self.student_hidden.take()) if self.student_hidden else []
+        student = ModelOutputs(self._vocabulary_logits(logits), hidden)
+        cross_entropy = masked_cross_entropy
+        if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
+            from meshtron.parallel.loss import vocab_parallel_cross_entropy as cross_entropy
+        label_loss = combine_losses(logits, mtp_logits, mb["labels"], mb["loss_mask"], mb.get("document_ids"),
+                                    self.cfg.model, cross_entropy)
+        return self.balancer(student, teacher, mb["loss_mask"], label_loss)
+
+    def _announce(self, logger: MetricsLogger) -> None:
+        super()._announce(logger)
+        t = self.teacher_cfg
+        weights = ", ".join(f"{n} {w:g}" for n, w in self.balancer.weights.items())
+        logger.message(f"teacher: {self.cfg.teacher.load} | pattern '{t.pattern}', width {t.hidden_size} | "
+                       f"losses: {weights}, labels {self.balancer.label_weight:g}"
+                       + (f" | layer pairs {self.layer_pairs}" if self.layer_pairs else ""))

@@ -1,0 +1,162 @@
+"""Distillation end to end: a distilled student ends closer to its teacher than the same student
+trained on the labels alone; a Hugging Face teacher gives the HF model's logits; the logged loss is
+the weighted sum of the logged terms; a 2-rank FSDP run equals the single process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron.config import ConfigError, load_config
+from meshtron.data.loader import fixed_batches
+from meshtron.distill import DistillTrainer
+from meshtron.nn.context import PackedContext
+from meshtron.testing.multiprocess import run_ranks
+from meshtron.training import Trainer
+
+# The teacher: wider (48) and deeper (3 layers) than the student of tests/conftest.py's TINY (32, 2).
+TEACHER = {"model.num_layers": "3", "model.hidden_size": "48", "model.num_attention_heads": "4",
+           "model.num_query_groups": "2", "model.ffn_hidden_size": "96", "model.max_position_embeddings": "64",
+           "data.seq_length": "32", "train.micro_batch_size": "4", "train.global_batch_size": "8",
+           "train.train_iters": "40", "train.eval_interval": "0", "train.peak_flops": "1e11",
+           "logger.progress_bar": "off", "logger.log_interval": "10", "scheduler.warmup_steps": "4",
+           "optimizer.lr": "3e-3"}
+
+
+@pytest.fixture(scope="module")
+def teacher_checkpoint(tmp_path_factory):
+    """A meshtron checkpoint of a teacher trained for 40 steps on the stdlib corpus."""
+    root = tmp_path_factory.mktemp("teacher")
+    cfg = load_config(overrides={**TEACHER, "train.run_dir": str(root / "run"),
+                                 "checkpoint.save": str(root / "checkpoints")})
+    Trainer(cfg).train()
+    return str(root / "checkpoints")
+
+
+def kl_to_teacher(student: torch.nn.Module, teacher: torch.nn.Module, batches, vocab: int) -> float:
+    """Mean per-token KL(teacher || student) over the loss tokens of fixed batches."""
+    total = count = 0.0
+    with torch.no_grad():
+        for mb in batches:
+            ctx = PackedContext.for_tokens(mb["input_ids"])
+            log_q = F.log_softmax(student(mb["input_ids"], ctx)[..., :vocab], -1)
+            log_p = F.log_softmax(teacher(mb["input_ids"], PackedContext.for_tokens(mb["input_ids"]))[..., :vocab], -1)
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+            total += float((kl * mb["loss_mask"]).sum())
+            count += float(mb["loss_mask"].sum())
+    return total / count
+
+
+def test_distilled_student_is_closer_to_the_teacher(tiny_config, teacher_checkpoint):
+    steps = {"train.train_iters": "20", "optimizer.lr": "3e-3", "checkpoint.save_at_end": "false",
+             "train.seed": "7", "train.global_batch_size": "8", "train.micro_batch_size": "4"}
+    distilled = DistillTrainer(tiny_config(**steps, **{"teacher.load": teacher_checkpoint}))
+    labels = Trainer(tiny_config(**steps))
+    for p, q in zip(labels.model.parameters(), distilled.model.parameters()):
+        assert torch.equal(p, q)   # the same student at the start (same seed)
+    batches = fixed_batches(labels.valid_ds, 4, 4)
+    vocab = labels.tokenizer.vocab_size
+    kl_start = kl_to_teacher(labels.model, distilled.teacher, batches, vocab)
+    distilled.train()
+    labels.train()
+    kl_distilled = kl_to_teacher(distilled.model, distilled.teacher, batches, vocab)
+    kl_labels = kl_to_teacher(labels.model, distilled.teacher, batches, vocab)
+    print(f"KL to teacher: start {kl_start:.4f}; after 20 steps distilled {kl_distilled:.4f}, "
+          f"labels only {kl_labels:.4f}")
+    assert kl_distilled < kl_labels < kl_start
+
+
+def test_logged_loss_is_the_weighted_sum_of_logged_terms(tiny_config, teacher_checkpoint):
+    cfg = tiny_config(**{"teacher.load": teacher_checkpoint, "train.train_iters": "3",
+                         "distill.losses": "kl,topk_kl,hidden_cosine,hidden_mse", "distill.weights": "[1, 0.5, 2, 3]",
+                         "distill.label_weight": "0.25", "distill.layer_pairs": "0:1,-1:-1", "distill.top_k": "8",
+                         "distill.temperature": "2", "checkpoint.save_at_end": "false"})
+    trainer = DistillTrainer(cfg)
+    maps = trainer.model.distill_projections.maps
+    assert [tuple(m.weight.shape) for m in maps] == [(48, 32), (48, 32)]   # student 32 -> teacher 48
+    assert trainer.layer_pairs == [(0, 1), (3, 5)]
+    before = [m.weight.detach().clone() for m in maps]
+    history = trainer.train()
+    records = [json.loads(line) for line in open(f"{cfg.train.run_dir}/metrics.jsonl")]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 3
+    for r, result in zip(train, history):
+        assert r["loss"] == pytest.approx(result.loss)
+        weighted = (0.25 * r["lm_loss"] + r["distill_kl"] + 0.5 * r["distill_topk_kl"]
+                    + 2 * r["distill_hidden_cosine"] + 3 * r["distill_hidden_mse"])
+        assert r["loss"] == pytest.approx(weighted, rel=1e-6)
+        assert r["distill_hidden_cosine"] == pytest.approx(
+            (r["distill_hidden_cosine_pair0"] + r["distill_hidden_cosine_pair1"]) / 2, rel=1e-6)
+        assert 0 < r["distill_topk_kl_teacher_mass"] <= 1
+    # the projections are trained with the student
+    assert all(not torch.equal(m.weight, b) for m, b in zip(maps, before))
+
+
+def test_hf_teacher_gives_the_hf_models_logits(tiny_config, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    trainer = DistillTrainer(tiny_config(**{"teacher.load": str(tmp_path / "hf"), "train.train_iters": "1"}))
+    assert trainer.teacher_cfg.pattern == "*-*-" and trainer.teacher_cfg.hidden_size == 48
+    tokens = torch.randint(0, 262, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = trainer.teacher(tokens, PackedContext.for_tokens(tokens))
+        theirs = hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert trainer.train()[0].loss > 0
+
+
+def test_teacher_errors_are_one_line(tiny_config, teacher_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="teacher.load: distillation needs a teacher"):
+        DistillTrainer(tiny_config())
+    wrong = tmp_path / "teacher.yaml"
+    wrong.write_text("model:\n  num_layers: 2\n  hidden_size: 64\n")
+    with pytest.raises(ConfigError, match="teacher.load: .*does not match"):
+        DistillTrainer(tiny_config(**{"teacher.load": teacher_checkpoint, "teacher.config": str(wrong)}))
+    with pytest.raises(ConfigError, match="distill.layer_pairs: teacher sublayer 9 is out of range"):
+        DistillTrainer(tiny_config(**{"teacher.load": teacher_checkpoint, "distill.losses": "hidden_mse",
+                                      "distill.layer_pairs": "0:9"}))
+
+
+LAYOUT_BASE = {
+    "model.num_layers": "2", "model.hidden_size": "32", "model.num_attention_heads": "4",
+    "model.num_query_groups": "2", "model.ffn_hidden_size": "64", "model.max_position_embeddings": "64",
+    "data.seq_length": "32", "train.micro_batch_size": "2", "train.global_batch_size": "8",
+    "train.train_iters": "3", "train.eval_interval": "0", "train.peak_flops": "1e11",
+    "logger.progress_bar": "off", "scheduler.warmup_steps": "1", "checkpoint.save_at_end": "false",
+    "distill.losses": "kl,topk_kl,hidden_cosine", "distill.layer_pairs": "1:2,-1:-1", "distill.label_weight": "0.5",
+}
+
+
+def distill_and_report(rank: int, world_size: int, overrides: dict[str, str]) -> dict:
+    from meshtron.testing.parity import full_parameters
+
+    trainer = DistillTrainer(load_config(overrides=overrides, world_size=world_size))
+    history = trainer.train()
+    return {"losses": [r.loss for r in history], "extra": [r.extra for r in history],
+            "params": full_parameters(trainer.model)}
+
+
+@pytest.mark.parametrize("layout", [
+    "fsdp2", pytest.param("tp2_sp", marks=pytest.mark.slow)])
+def test_distillation_layout_matches_single_process(layout, teacher_checkpoint, tmp_path):
+    extra = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2_sp": {"parallel.tp": "2"}}[layout]
+    overrides = {**LAYOUT_BASE, "teacher.load": teacher_checkpoint}
+    ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
+    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=240,
+                        overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
+                                   "parallel.timeout_s": "60"})
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+        for step, ref_extra in zip(r["extra"], ref["extra"]):
+            assert step == pytest.approx(ref_extra, abs=1e-5, rel=0)
+        assert set(r["params"]) == set(ref["params"])
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, ref["params"][name], atol=1e-5, rtol=0, msg=name)
