@@ -7,6 +7,7 @@
     meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 engine options]
     meshtron rl --config C [--section.field value ...]
     meshtron bench train [options]
+    meshtron bench offload [options]
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ def cmd_bench_mamba(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def cmd_bench_offload(args: argparse.Namespace) -> int:
+    from meshtron.bench.offload import main as bench_main
+
+    return bench_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="meshtron", description="Train, serve and post-train LLMs on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -158,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                               add_help=False)
     bm.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/mamba.py")
     bm.set_defaults(func=cmd_bench_mamba)
+    bo = bench_sub.add_parser("offload", help="step time and memory with optimizer states offloaded to the CPU",
+                              add_help=False)
+    bo.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/offload.py")
+    bo.set_defaults(func=cmd_bench_offload)
 
     from meshtron.api_check import register as register_check_api
     from meshtron.config.commands import register as register_config_commands
@@ -188,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["train"], ["mamba"]) and argv[2:3] != ["--"]:
+    if argv[:1] == ["bench"] and argv[1:2] in (["train"], ["mamba"], ["offload"]) and argv[2:3] != ["--"]:
         # argparse's REMAINDER refuses a first item that looks like an option: hand the rest over as is.
         argv = [*argv[:2], "--", *argv[2:]]
     try:

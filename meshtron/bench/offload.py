@@ -8,6 +8,7 @@ offload adds), the process's peak resident memory and, on CUDA, the peak device 
 the "device" is the host too: offload then only adds copies, and the table shows that cost.
 
     python benchmarks/offload.py [--fractions 0,0.5,1] [--steps 3] [--warmup 1] [--section.field V ...]
+    meshtron bench offload [the same options]
 """
 
 from __future__ import annotations
@@ -122,7 +123,12 @@ def print_table(entries: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    if argv[:1] == ["--"]:  # `meshtron bench offload -- --flags`: argparse's REMAINDER keeps the separator
+        argv = argv[1:]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed in one line
+        return int(e.code or 0)
     overrides = {**MODEL, **overrides_from_args(args)}
     try:
         load_config(args.config, overrides)  # a bad flag fails here, once, in one line
