@@ -5,6 +5,9 @@ applies, so a PyTorch upgrade that moves or changes one is fixed in one place.
 on placeholder tensors (uninitialised values) to learn output shapes; `during_pipeline_shape_inference`
 lets a caller wrap that run (MoE layers must not count or record it).
 
+`is_fake`: whether a tensor is a FakeTensor (shapes without data, e.g. `meshtron plan`'s trace); code
+whose shapes depend on data (MoE routing) takes a static-shaped path then.
+
 `torch._grouped_mm(x, w, offs)` multiplies consecutive row blocks of x (2-D) by the matrices of w (3-D):
 rows offs[g-1]:offs[g] by w[g]. Measured on torch 2.13 (CPU): fp32/bf16/fp16 work forward and backward,
 fp64 is refused, every row stride must be a multiple of 16 bytes, and backward fails on an expanded
@@ -63,3 +66,12 @@ def during_pipeline_shape_inference(stage, context: Callable[[], AbstractContext
             return infer(*args, **kwargs)
 
     stage._forward_metadata_inference = wrapped
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor, or a meta tensor: shapes only, no values to route by."""
+    if t.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(t))

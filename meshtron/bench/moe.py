@@ -103,8 +103,8 @@ def time_layers(layers: dict[str, torch.nn.Module], x: torch.Tensor, args, devic
             forward(layer)
     for _ in range(args.repeats):  # alternate the cases, so a slow moment of the machine hits them alike
         for name, layer in layers.items():
-            times[name]["train"].append(_time(lambda: train_step(layer), args.iters, device))
-            times[name]["forward"].append(_time(lambda: forward(layer), args.iters, device))
+            times[name]["train"].append(_time(lambda m=layer: train_step(m), args.iters, device))
+            times[name]["forward"].append(_time(lambda m=layer: forward(m), args.iters, device))
     return times
 
 

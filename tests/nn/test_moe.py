@@ -208,3 +208,48 @@ def test_config_errors_name_the_field():
         MoELayer(dataclasses.replace(make_cfg(), moe_router_type="nope"))
     assert make_cfg(num_layers=3, moe_layer_freq=[0, 1, 1]).pattern == "*-*E*E"
     assert make_cfg(num_layers=3, moe_layer_freq=2).pattern == "*E*-*E"
+
+
+def test_traced_forward_is_the_balanced_dropless_forward():
+    """The static-shaped path taken for fake tensors (meshtron plan) computes what the real path does
+    when routing happens to load every expert evenly."""
+    from meshtron.nn.moe import ReplayMode, set_replay_mode, set_replay_targets
+
+    cfg = make_cfg(num_moe_experts=4, moe_shared_expert_intermediate_size=8)
+    layer = make_layer(cfg)
+    x = torch.randn(2, 4, cfg.hidden_size)
+    balanced = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]] * 2)  # every expert chosen 4 times
+    set_replay_targets(layer, {"router": [balanced, balanced]})
+    set_replay_mode(layer, ReplayMode.REPLAY_FORWARD)
+    expected = layer(x)
+    probs, indices, aux = layer.router(x)
+    traced = layer._traced_forward(x.reshape(-1, cfg.hidden_size), probs, indices, aux)
+    torch.testing.assert_close(traced.view_as(expected), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_plan_activations_of_moe_match_a_balanced_real_forward():
+    """meshtron plan traces MoE sublayers with fake tensors (balanced, dropless); a real forward whose
+    routing is balanced (replayed) saves nearly the same bytes (the index bookkeeping differs)."""
+    from meshtron.config.loader import load_config
+    from meshtron.models.gpt import GPTModel
+    from meshtron.nn.context import PackedContext
+    from meshtron.nn.loss import masked_cross_entropy
+    from meshtron.nn.moe import ReplayMode, replays, set_replay_mode
+    from meshtron.parallel.plan import SavedTensorCounter, estimate_memory
+
+    cfg = load_config(overrides={"model.num_layers": "2", "model.hidden_size": "32", "model.num_attention_heads": "4",
+                                 "model.ffn_hidden_size": "64", "model.num_moe_experts": "4", "model.vocab_size": "256",
+                                 "data.seq_length": "32", "train.micro_batch_size": "2", "train.global_batch_size": "2",
+                                 "model.moe_shared_expert_intermediate_size": "32"})
+    (row,) = estimate_memory(cfg, 1)
+    torch.manual_seed(0)
+    model = GPTModel(cfg.model)
+    balanced = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]] * 16)  # 64 tokens, every expert chosen 32 times
+    for replay in replays(model).values():
+        replay.targets.append(balanced)
+    set_replay_mode(model, ReplayMode.REPLAY_FORWARD)
+    tokens = torch.randint(0, 256, (2, 32))
+    with SavedTensorCounter(model) as counter:
+        masked_cross_entropy(model(tokens, PackedContext.for_tokens(tokens)), tokens, torch.ones(2, 32))
+        real = counter.total
+    assert row["activation_bytes"] == pytest.approx(real, rel=0.02)

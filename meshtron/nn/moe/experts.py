@@ -50,15 +50,17 @@ class GroupedExperts(nn.Module):
             if b is not None:
                 nn.init.zeros_(b)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x (rows, hidden) grouped by expert, tokens_per_expert (num_experts,) -> (rows, hidden)."""
-        use_grouped = self.grouped and x.shape[0] > 0 and grouped_mm_supported(x, self.w_up.transpose(1, 2))
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor | list[int]) -> torch.Tensor:
+        """x (rows, hidden) grouped by expert, tokens_per_expert (num_experts,) -> (rows, hidden).
+        A list of counts (known in Python, e.g. for shape tracing) always takes the loop."""
+        use_grouped = (self.grouped and isinstance(tokens_per_expert, torch.Tensor) and x.shape[0] > 0
+                       and grouped_mm_supported(x, self.w_up.transpose(1, 2)))
         if use_grouped:
             offs = tokens_per_expert.cumsum(0).to(torch.int32)
             expert_of_row = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device),
                                                     tokens_per_expert, output_size=x.shape[0])
             return self._mlp(x, lambda h, w, b: _grouped_linear(h, w, b, offs, expert_of_row))
-        counts = tokens_per_expert.tolist()
+        counts = tokens_per_expert if isinstance(tokens_per_expert, list) else tokens_per_expert.tolist()
         outputs = []
         for e, rows in enumerate(x.split(counts)):
             outputs.append(self._mlp(rows, lambda h, w, b, e=e: F.linear(h, w[e], None if b is None else b[e])))

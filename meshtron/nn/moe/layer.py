@@ -18,9 +18,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from meshtron.compat import is_fake
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.mlp import MLP
-from meshtron.nn.moe.dispatcher import LocalDispatcher, TokenDispatcher
+from meshtron.nn.moe.dispatcher import LocalDispatcher, LocalHandle, TokenDispatcher, unpermute
 from meshtron.nn.moe.experts import GroupedExperts
 from meshtron.nn.moe.router import build_router
 from meshtron.nn.moe.routing_map import build_routing_map
@@ -104,20 +105,39 @@ class MoELayer(nn.Module):
         if replay is not None:
             replay.paused = self.paused
         probs, indices, aux_loss = self.router(x)
+        tokens = x.reshape(-1, hidden)
+        if is_fake(tokens):
+            return self._traced_forward(tokens, probs, indices, aux_loss).view(batch, seq, hidden).to(x.dtype)
         routing = build_routing_map(probs, indices, self.num_experts, self.capacity_factor, self.drop_policy,
                                     self.pad_alignment)
-        tokens = x.reshape(-1, hidden)
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
         expert_output = self.experts(expert_input, tokens_per_expert)
         y = self.dispatcher.combine(expert_output, handle)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(tokens)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
-            y = y + shared
+        y = self._add_shared(tokens, y)
         if self.training and torch.is_grad_enabled() and not self.paused:
             losses = getattr(self.router, "last_losses", None)
             self.stats.add(routing.tokens_per_expert, routing.num_chosen, routing.num_dropped,
                            {"aux_loss": aux_loss.detach()} if losses is None else losses)
         y = attach_aux_loss(y, aux_loss, self.aux_loss_scale)
         return y.view(batch, seq, hidden).to(x.dtype)
+
+    def _add_shared(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is None:
+            return y
+        shared = self.shared_experts(tokens)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        return y + shared
+
+    def _traced_forward(self, tokens: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
+                        aux_loss: torch.Tensor) -> torch.Tensor:
+        """Fake or meta tensors (meshtron plan's activation trace): routing has no values, so every
+        choice is kept and the experts share the rows evenly; the ops, and the tensors they save for
+        backward, are those of a balanced dropless forward."""
+        k = indices.shape[1]
+        order = indices.reshape(-1).argsort(stable=True)
+        handle = LocalHandle(order // k, probs.reshape(-1)[order], tokens.shape[0])
+        rows, E = order.shape[0], self.num_experts
+        counts = [rows // E + (1 if e < rows % E else 0) for e in range(E)]
+        y = unpermute(self.experts(tokens.index_select(0, handle.token_ids), counts), handle)
+        return attach_aux_loss(self._add_shared(tokens, y), aux_loss, self.aux_loss_scale)
