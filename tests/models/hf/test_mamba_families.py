@@ -1,4 +1,4 @@
-"""Mamba-2 and the NemotronH hybrid (Mamba + attention + MLP), converted HF -> meshtron: logits equal
+"""Mamba-2 and the NemotronH hybrid (Mamba + attention + MLP, and with MoE blocks), converted HF -> meshtron: logits equal
 transformers' (fp32, <= 1e-5) on plain and packed batches, and greedy continuations match; meshtron ->
 HF gives back every tensor bit for bit and the same config; a meshtron hybrid without a HF origin
 exports to a directory transformers loads with the same logits."""
@@ -34,6 +34,14 @@ def configs() -> dict:
             **MAMBA, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=6,
             mamba_head_dim=8, ssm_state_size=5, use_conv_bias=False, max_position_embeddings=64, initializer_range=0.2),
+        # with MoE blocks: 8 relu2 experts in 2 groups (a token may use 1 group: top-2 of its 4), expert bias,
+        # shared expert, routed_scaling_factor
+        "nemotron_h_moe": transformers.NemotronHConfig(
+            **MAMBA, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "moe", "mlp"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=8,
+            mamba_head_dim=8, ssm_state_size=5, max_position_embeddings=64, initializer_range=0.2,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=24, routed_scaling_factor=1.5),
     }
 
 
@@ -44,7 +52,7 @@ def build(config, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # move what init leaves at 1, 0 or arange, so that a swapped tensor would show
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith(("bias", ".D", ".A_log", ".dt_bias")):
                 p.add_(0.1 * torch.randn_like(p))
     return model
@@ -119,7 +127,7 @@ def test_export_without_hf_origin(name, dirs, tmp_path):
     CheckpointManager(tmp_path / "ckpt").save(7, model, None, {"step": 7}, yaml.safe_dump(config_to_dict(cfg)))
     meshtron_to_hf(tmp_path / "ckpt", tmp_path / "out")
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert adapter_for_hf(exported).name == name
+    assert adapter_for_hf(exported).name == name.removesuffix("_moe")
     assert architecture_fields(adapter_for_hf(exported).to_model_config(exported)) == architecture_fields(cfg.model)
     hf = load_hf(tmp_path / "out")
     tokens = torch.randint(0, 96, (2, 16))
