@@ -253,3 +253,13 @@ def test_plan_activations_of_moe_match_a_balanced_real_forward():
         masked_cross_entropy(model(tokens, PackedContext.for_tokens(tokens)), tokens, torch.ones(2, 32))
         real = counter.total
     assert row["activation_bytes"] == pytest.approx(real, rel=0.02)
+
+
+def test_fp32_router_under_bf16_autocast():
+    cfg = make_cfg()
+    layer = make_layer(cfg)
+    x = torch.randn(2, 4, cfg.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = layer.router.logits(x.reshape(-1, cfg.hidden_size))
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.reshape(-1, cfg.hidden_size) @ layer.router.weight.t())

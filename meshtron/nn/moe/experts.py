@@ -57,7 +57,8 @@ class GroupedExperts(nn.Module):
                        and grouped_mm_supported(x, self.w_up.transpose(1, 2)))
         if use_grouped:
             offs = tokens_per_expert.cumsum(0).to(torch.int32)
-            expert_of_row = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device),
+            # the experts this call serves (a dispatcher under expert parallelism passes its local ones)
+            expert_of_row = torch.repeat_interleave(torch.arange(tokens_per_expert.shape[0], device=x.device),
                                                     tokens_per_expert, output_size=x.shape[0])
             return self._mlp(x, lambda h, w, b: _grouped_linear(h, w, b, offs, expert_of_row))
         counts = tokens_per_expert if isinstance(tokens_per_expert, list) else tokens_per_expert.tolist()

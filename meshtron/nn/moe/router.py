@@ -127,8 +127,9 @@ class TopKRouter(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (tokens, hidden) -> (tokens, experts)."""
-        if self.fp32:
-            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        if self.fp32:  # outside autocast, which would run the matmul in bf16 whatever the input dtype
+            with torch.autocast(x.device.type, enabled=False):
+                return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
