@@ -375,7 +375,9 @@ class ParallelConfig:
     cp: int = option(1, "Context-parallel degree (the sequence is split over these ranks)")
     tp: int = option(1, "Tensor-parallel degree")
     pp: int = option(1, "Pipeline-parallel degree")
-    ep: int = option(1, "Expert-parallel degree")
+    ep: int = option(1, "Expert-parallel degree: routed experts split over this many of the dp_shard x cp ranks")
+    ep_dispatcher: Literal["alltoall", "allgather"] = option(
+        "alltoall", "With ep > 1: how tokens reach their experts' ranks (uneven all-to-all, or all-gather + reduce-scatter)")
     sequence_parallel: bool = option(True, "With tp > 1: split norms/dropout/residual activations along the sequence")
     loss_parallel: bool = option(True, "With tp > 1: keep logits vocabulary-sharded through the cross-entropy")
     fsdp_reshard_after_forward: bool = option(True, "FSDP: free gathered parameters after forward (ZeRO-3); false keeps them (ZeRO-2)")

@@ -1,5 +1,5 @@
 """Parallelism applied from outside the model, in a fixed order: split pipeline stages, then
-tensor/sequence parallel, activation checkpointing, torch.compile, then FSDP (STYLE 3)."""
+tensor/sequence parallel, expert parallel, activation checkpointing, torch.compile, then FSDP (STYLE 3)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from meshtron.config.schema import RunConfig
 from meshtron.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.dims import ParallelDims
+from meshtron.parallel.expert_parallel import apply_ep
 from meshtron.parallel.fsdp import apply_fsdp
 from meshtron.parallel.tensor_parallel import apply_tp
 
@@ -21,8 +22,15 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
 
 
+def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
+    """Under expert parallelism the data ranks that share an expert slice: dp_shard_mod_ep (x dp_replicate)."""
+    if dims.ep == 1:
+        return None
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
+
+
 def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh | None, cfg: RunConfig) -> None:
-    """Apply TP, activation checkpointing, compile and FSDP to each model part, in that order."""
+    """Apply TP, EP, activation checkpointing, compile and FSDP to each model part, in that order."""
     p = cfg.parallel
     if p.compile and dims.tp > 1:
         raise ConfigError("parallel.compile: compiling tensor-parallel (DTensor) sublayers is not supported on this "
@@ -30,6 +38,8 @@ def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMe
     for part in parts:
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        if dims.ep > 1:
+            apply_ep(part, mesh["ep"], p.ep_dispatcher)
         if p.activation_checkpoint != "none":
             apply_activation_checkpoint(part, p.activation_checkpoint)
         if p.compile:
@@ -37,4 +47,4 @@ def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMe
         if dims.fsdp_enabled:
             param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
             apply_fsdp(part, fsdp_mesh(mesh, dims), param_dtype=param_dtype,
-                       reshard_after_forward=p.fsdp_reshard_after_forward)
+                       reshard_after_forward=p.fsdp_reshard_after_forward, expert_mesh=expert_fsdp_mesh(mesh, dims))

@@ -6,7 +6,12 @@ peers are neighbours: the same node on a GPU cluster). Flattened axes used by na
     dp          = dp_replicate x dp_shard   (data loading: ranks that see different samples)
     dp_shard_cp = dp_shard x cp             (FSDP shards parameters over these)
     dp_cp       = dp_replicate x dp_shard x cp  (loss and token counts are summed over these)
-Expert parallelism (ep) borrows ranks from dp_shard x cp when MoE lands.
+Expert parallelism borrows its ranks from dp_shard x cp (as in torchtitan): with ep > 1, dp_shard is
+built from two axes, dp_shard_mod_ep (outer) x dp_shard_in_ep (inner, ep / cp ranks), and
+    ep          = dp_shard_in_ep x cp       (routed experts are split over these; tokens move by all-to-all)
+    expert FSDP = dp_shard_mod_ep           (each expert shard is FSDP-sharded over the rest of dp_shard x cp;
+                                             with dp_replicate: the 2-D (dp_replicate, dp_shard_mod_ep))
+so ep must be a multiple of cp and divide dp_shard x cp.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from meshtron.config.fields import ConfigError
 from meshtron.config.schema import ParallelConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,21 @@ class ParallelDims:
                 f"parallel: dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * "
                 f"tp({self.tp}) * pp({self.pp}) = {product} but the world size is {self.world_size}; "
                 "make the product equal the number of processes (dp_shard: -1 fills in the rest)")
-        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
-            raise ConfigError(f"parallel.ep: {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp}")
+        if self.ep > 1 and ((self.dp_shard * self.cp) % self.ep or self.ep % self.cp):
+            raise ConfigError(f"parallel.ep: {self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp} and be a "
+                              f"multiple of cp = {self.cp} (expert parallelism borrows the dp_shard x cp ranks)")
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        return self.ep // self.cp if self.ep > 1 else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.dp_shard_in_ep
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -68,15 +83,27 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str, timeout_s: float) -> NamedMesh:
         """One mesh with every axis (size-1 axes included) and the flattened axes named above."""
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        override = {name: backend_options(device_type, timeout_s) for name in AXES}
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES, backend_override=override)
+        if self.ep > 1:
+            axes, shard = EP_AXES, ("dp_shard_mod_ep", "dp_shard_in_ep")
+            shape = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.dp_shard_in_ep, self.cp, self.tp)
+        else:
+            axes, shard = AXES, ("dp_shard",)
+            shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        override = {name: backend_options(device_type, timeout_s) for name in axes}
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes, backend_override=override)
         flat_opts = backend_options(device_type, timeout_s)
+
+        def flatten(name: str, *names: str) -> DeviceMesh:
+            return mesh[names]._flatten(name, backend_override=flat_opts)
+
         flat = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=flat_opts),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=flat_opts),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=flat_opts),
+            "dp": flatten("dp", "dp_replicate", *shard),
+            "dp_shard_cp": flatten("dp_shard_cp", *shard, "cp"),
+            "dp_cp": flatten("dp_cp", "dp_replicate", *shard, "cp"),
         }
+        if self.ep > 1:
+            flat["dp_shard"] = flatten("dp_shard", *shard)
+            flat["ep"] = flatten("ep", "dp_shard_in_ep", "cp")
         return NamedMesh(mesh, flat)
 
 

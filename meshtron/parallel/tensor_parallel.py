@@ -16,6 +16,10 @@ Math, with t = tp degree:
   and the cross-entropy reduces max/sum-exp across ranks (no full-vocabulary gather).
 - Sequence parallel: activations outside attention/MLP (norms, dropout, residual adds) are split
   along the sequence; each attention/MLP input is all-gathered and each output reduce-scattered.
+- MoE: every tp rank routes the full (replicated) tokens and runs the routed experts, which are split
+  over the `ep` axis instead (parallel/expert_parallel.py), so router and experts need no tp
+  communication; the shared experts are column/row-parallel like the MLP. Under SP the sublayer's input
+  is all-gathered and its (replicated) output split along the sequence, each rank keeping its part.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -48,6 +53,9 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
                           f"and the key/value heads ({cfg.num_kv_heads}); change one of them")
     if cfg.ffn_size % tp:
         raise ConfigError(f"parallel.tp: {tp} must divide the MLP width {cfg.ffn_size} (model.ffn_hidden_size)")
+    shared = getattr(cfg, "moe_shared_expert_intermediate_size", None)
+    if shared and shared % tp:
+        raise ConfigError(f"parallel.tp: {tp} must divide model.moe_shared_expert_intermediate_size={shared}")
     if model.vocab_size % tp:
         raise ConfigError(f"parallel.tp: {tp} must divide the padded vocabulary {model.vocab_size}; "
                           "set model.make_vocab_size_divisible_by to a multiple of tp")
@@ -109,6 +117,17 @@ def _sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, objec
     elif layer.symbol == "M":
         plan.update({f"mixer.{p}_proj": ColwiseParallel() for p in ("z", "x", "b", "c", "dt")})
         plan["mixer.out_proj"] = RowwiseParallel(output_layouts=seq)
+    elif layer.symbol == "E":
+        if sequence_parallel:
+            plan["mixer"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)
+        shared = layer.mixer.shared_experts
+        if shared is not None:
+            if shared.w_gate is not None:
+                plan["mixer.shared_experts.w_gate"] = ColwiseParallel()
+            plan.update({"mixer.shared_experts.w_up": ColwiseParallel(),
+                         "mixer.shared_experts.w_down": RowwiseParallel()})
     else:
         raise ConfigError(f"parallel.tp: sublayer '{layer.symbol}' has no tensor-parallel plan")
     return plan

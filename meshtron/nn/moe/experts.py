@@ -8,7 +8,8 @@ multiplies each output row, bias included, by its routing probability.
 Input rows arrive grouped by expert (tokens_per_expert[e] rows for expert e, in expert order).
 Computation is one grouped GEMM per matrix (`torch._grouped_mm`) where it runs, else a loop over the
 experts; both give the same numbers. Weights stay stacked along dim 0 so expert parallelism can shard
-that dim (each rank then holds num_local_experts of them and sees only their tokens).
+that dim (each rank then holds num_local_experts of them and sees only their tokens: tokens_per_expert
+then has one entry per local expert).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torch.distributed.tensor import DTensor
 
 from meshtron.compat import grouped_mm, grouped_mm_supported
 from meshtron.nn.mlp import ACTIVATIONS, gated
@@ -54,7 +57,7 @@ class GroupedExperts(nn.Module):
         """x (rows, hidden) grouped by expert, tokens_per_expert (num_experts,) -> (rows, hidden).
         A list of counts (known in Python, e.g. for shape tracing) always takes the loop."""
         use_grouped = (self.grouped and isinstance(tokens_per_expert, torch.Tensor) and x.shape[0] > 0
-                       and grouped_mm_supported(x, self.w_up.transpose(1, 2)))
+                       and grouped_mm_supported(x, _local(self.w_up).transpose(1, 2)))
         if use_grouped:
             offs = tokens_per_expert.cumsum(0).to(torch.int32)
             # the experts this call serves (a dispatcher under expert parallelism passes its local ones)
@@ -68,12 +71,19 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.w_down.shape[1])
 
     def _mlp(self, x: torch.Tensor, linear) -> torch.Tensor:
-        up = linear(x, self.w_up, self.b_up)
+        up = linear(x, _local(self.w_up), _local(self.b_up))
         if self.w_gate is None:
             h = self.act(up)
         else:
-            h = gated(self.act, linear(x, self.w_gate, self.b_gate), up, self.clamp_value, self.linear_offset)
-        return linear(h, self.w_down, self.b_down)
+            gate = linear(x, _local(self.w_gate), _local(self.b_gate))
+            h = gated(self.act, gate, up, self.clamp_value, self.linear_offset)
+        return linear(h, _local(self.w_down), _local(self.b_down))
+
+
+def _local(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's experts: expert parallelism (meshtron/parallel/expert_parallel.py) makes the stacked
+    weights DTensors sharded along dim 0; the tokens that reach this rank are for its slice only."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], offs: torch.Tensor,

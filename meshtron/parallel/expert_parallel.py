@@ -1,0 +1,220 @@
+"""Expert parallelism: the routed experts of every MoE sublayer are split over the mesh's `ep` axis,
+and each layer's token dispatcher moves hidden states to the rank that holds their expert and back.
+
+With P = ep ranks and E experts, rank r holds experts [r E/P, (r+1) E/P): the stacked expert weights
+(experts, ...) become DTensors sharded along dim 0 over `ep` (FSDP then shards each rank's slice over
+the remaining data ranks, see parallel/fsdp.py). Router, shared experts and everything else stay
+replicated over `ep`; every rank routes its own tokens and builds its own routing map (capacity is per
+rank and micro-batch, as in one process). Two dispatchers (parallel.ep_dispatcher):
+
+  alltoall   forward: exchange per-expert token counts (all-to-all of E integers), then one
+             all-to-all of the token rows with uneven splits (rank r sends rank q the rows routed to
+             q's experts), regroup the received rows expert by expert; the experts run; the inverse
+             regrouping and the reverse all-to-all bring the outputs home, where they are weighted by
+             their routing probabilities and summed per token.
+             backward: the same two all-to-alls with the splits swapped.
+  allgather  forward: all-gather the tokens and their routing probabilities over `ep` (T P rows);
+             every rank runs its experts on the rows routed to them, weights and sums them per token,
+             and a reduce-scatter sums the P partial outputs and returns each rank its own tokens.
+             backward: reduce-scatter of the token gradients, all-gather of the output gradients.
+All-to-all moves only the rows that need to move (T k (P-1)/P per rank on average); all-gather moves
+T (P-1) rows in and out whatever the routing, but needs no count exchange or host sync.
+Uneven numbers of tokens per rank are allowed (all-gather pads to the largest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from meshtron.config.fields import ConfigError
+from meshtron.nn.moe.balance import moe_layers
+from meshtron.nn.moe.dispatcher import LocalHandle, permute, unpermute
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+# ---- collectives with autograd ----------------------------------------------------------------------
+
+class _AllToAll(torch.autograd.Function):
+    """Rows split[i] of the input go to rank i; the output holds rank i's rows in rank order.
+    Backward is the reverse all-to-all (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (input_splits, output_splits), group
+        out = x.new_empty(sum(output_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), output_splits, input_splits, ctx.group), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """(n, ...) on each rank -> (P n, ...) in rank order; backward sums the gradients over the ranks
+    and keeps this rank's block (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ReduceScatter.apply(grad, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """(P n, ...) on each rank -> the sum over ranks of block `rank` (n, ...); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllGather.apply(grad, ctx.group), None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    return _AllGather.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceScatter.apply(x, group)
+
+
+# ---- dispatchers ----------------------------------------------------------------------------------
+
+@dataclass
+class AllToAllHandle:
+    local: LocalHandle       # this rank's tokens, expert-major over all E experts
+    sent: list[int]          # rows sent to each rank
+    received: list[int]      # rows received from each rank
+    order: Optional[torch.Tensor]  # received row of each expert-input row (None: already in order)
+
+
+class AllToAllDispatcher:
+    """Tokens travel to their experts' ranks with one uneven all-to-all and come back with another."""
+
+    def __init__(self, group, num_experts: int):
+        self.group, self.num_experts = group, num_experts
+        self.ep_size = dist.get_world_size(group)
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+        P, L = self.ep_size, self.num_local_experts
+        rows, tokens_per_expert, local = permute(tokens, probs, routing_map)
+        send_counts = tokens_per_expert.reshape(-1)                       # (P * L,) rank-major
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        recv_counts = recv_counts.view(P, L)                             # [source rank, local expert]
+        sent = send_counts.view(P, L).sum(1).tolist()
+        received = recv_counts.sum(1).tolist()
+        x = all_to_all(rows, received, sent, self.group)                 # (M, hidden) source-major
+        order = _source_to_expert_major(recv_counts) if P > 1 and L > 1 else None
+        if order is not None:
+            x = x[order]
+        return x, recv_counts.sum(0), AllToAllHandle(local, sent, received, order)
+
+    def combine(self, expert_output: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        y = expert_output
+        if handle.order is not None:
+            y = y.new_empty(y.shape).index_copy(0, handle.order, y)      # back to source-major
+        y = all_to_all(y, handle.sent, handle.received, self.group)
+        return unpermute(y, handle.local)
+
+
+def _source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """counts (sources, experts): rows arrive in blocks ordered (source, expert); return the index that
+    lists them ordered (expert, source), keeping the order within a block."""
+    starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).view_as(counts)   # block start, source-major
+    sizes_em, starts_em = counts.t().reshape(-1), starts.t().reshape(-1)            # blocks in expert-major order
+    offsets_em = sizes_em.cumsum(0) - sizes_em
+    total = int(sizes_em.sum())
+    shift = torch.repeat_interleave(starts_em - offsets_em, sizes_em, output_size=total)
+    return torch.arange(total, device=counts.device) + shift
+
+
+@dataclass
+class AllGatherHandle:
+    local: LocalHandle   # over the gathered tokens of all ranks, this rank's experts only
+    num_tokens: int      # this rank's tokens
+    padded: int          # tokens per rank in the gathered buffer
+
+
+class AllGatherDispatcher:
+    """Every rank sees every token of its `ep` group and keeps the rows of its own experts; the
+    per-token sums return by reduce-scatter."""
+
+    def __init__(self, group, num_experts: int):
+        self.group, self.num_experts = group, num_experts
+        self.ep_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AllGatherHandle]:
+        T = tokens.shape[0]
+        sizes = torch.empty(self.ep_size, dtype=torch.long, device=tokens.device)
+        dist.all_gather_into_tensor(sizes, torch.tensor([T], device=tokens.device), group=self.group)
+        padded = int(sizes.max())
+        if padded > T:
+            pad = padded - T
+            tokens, probs = nn.functional.pad(tokens, (0, 0, 0, pad)), nn.functional.pad(probs, (0, 0, 0, pad))
+            routing_map = nn.functional.pad(routing_map, (0, 0, 0, pad))      # padding rows route nowhere
+        first = self.rank * self.num_local_experts
+        mine = slice(first, first + self.num_local_experts)
+        all_tokens = all_gather(tokens, self.group)                            # (P padded, hidden)
+        all_probs = all_gather(probs, self.group)[:, mine]                     # (P padded, local experts)
+        all_map = all_gather(routing_map.to(torch.uint8), self.group)[:, mine].bool()
+        rows, tokens_per_expert, local = permute(all_tokens, all_probs, all_map)
+        return rows, tokens_per_expert, AllGatherHandle(local, T, padded)
+
+    def combine(self, expert_output: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
+        partial = unpermute(expert_output, handle.local)                      # (P padded, hidden)
+        return reduce_scatter(partial, self.group)[:handle.num_tokens]
+
+
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+
+
+# ---- applying it -----------------------------------------------------------------------------------
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str = "alltoall") -> None:
+    """Shard the routed experts of every MoE sublayer of `model` (a GPTModel or a pipeline stage) over
+    `ep_mesh` (dim 0 of the stacked weights) and install the `dispatcher` that moves their tokens.
+    Every rank must hold the same full weights before (they are built from one seed)."""
+    if dispatcher not in DISPATCHERS:
+        raise ConfigError(f"parallel.ep_dispatcher: {dispatcher!r} is not allowed; choose one of "
+                          f"{', '.join(DISPATCHERS)}")
+    size = ep_mesh.size()
+    for _, layer in moe_layers(model):
+        if layer.num_experts % size:
+            raise ConfigError(f"parallel.ep: {size} must divide model.num_moe_experts={layer.num_experts}; "
+                              "change one of them")
+        experts = layer.experts
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(experts, name, None)
+            if weight is not None:
+                setattr(experts, name, nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]),
+                                                    requires_grad=weight.requires_grad))
+        layer.dispatcher = DISPATCHERS[dispatcher](ep_mesh.get_group(), layer.num_experts)
