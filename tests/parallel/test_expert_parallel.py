@@ -168,6 +168,8 @@ EP_LAYOUTS = {
     "ep2_tp2_no_sp": (4, {"parallel.ep": "2", "parallel.tp": "2", "parallel.sequence_parallel": "false",
                           "parallel.loss_parallel": "false"}),
     "ep2_pp2": (4, {"parallel.ep": "2", "parallel.pp": "2"}),
+    # 3 experts per ep rank over 2 data ranks: FSDP splits the expert slices along dim 1
+    "ep2_fsdp2_dim1": (4, {"parallel.ep": "2", "model.num_moe_experts": "6"}),
     "ep2_hsdp": (4, {"parallel.ep": "2", "parallel.dp_replicate": "2", "parallel.dp_shard": "2"}),
     "ep4_fsdp2": (8, {"parallel.ep": "4"}),
     "ep4_tp2": (8, {"parallel.ep": "4", "parallel.tp": "2"}),
