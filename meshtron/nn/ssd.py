@@ -9,8 +9,9 @@ masked "attention" y_i = sum_{j<=i} exp(a_{j+1} + ... + a_i) (C_i . B_j) dt_j x_
   2. each chunk's contribution to the state at its end;
   3. across chunks, the recurrence on those states (a loop over chunks: elementwise work only);
   4. each token's read-out of the state its chunk started from.
-Decays are segment sums of a_t built by cumsum over a masked tile (no differences of large
-cumsums), so exp never sees a positive argument.
+Decays are differences of the within-chunk cumulative sums c_i = a_1 + ... + a_i, masked to j <= i
+before exp (so exp never sees a positive argument), as the fused kernels compute them; c restarts
+at every chunk, so its magnitude (and the rounding of the differences) stays bounded by one chunk.
 
 Documents: with `seq_ids` (batch, seq) — contiguous runs of equal ids, e.g. packed documents —
 the state never crosses from one run to the next, exactly as if each ran alone from a zero state.
@@ -30,14 +31,11 @@ from typing import Optional
 import torch
 
 
-def segment_sums(a: torch.Tensor) -> torch.Tensor:
-    """a (..., L) -> (..., L, L) with out[..., i, j] = a_{j+1} + ... + a_i for j <= i, -inf above."""
-    length = a.shape[-1]
-    tile = a[..., :, None].expand(*a.shape, length)  # tile[..., k, j] = a_k
-    idx = torch.arange(length, device=a.device)
-    strictly_below = idx[:, None] > idx[None, :]
-    sums = tile.masked_fill(~strictly_below, 0).cumsum(dim=-2)  # sum over j < k <= i
-    return sums.masked_fill(idx[:, None] < idx[None, :], float("-inf"))
+def segment_sums(cum: torch.Tensor) -> torch.Tensor:
+    """cum (..., L) cumulative sums c_i -> (..., L, L) with out[..., i, j] = c_i - c_j for j <= i, -inf above."""
+    length = cum.shape[-1]
+    idx = torch.arange(length, device=cum.device)
+    return (cum[..., :, None] - cum[..., None, :]).masked_fill(idx[:, None] < idx[None, :], float("-inf"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,10 +83,10 @@ def chunk_scan_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     Bs, Cs = chunked(B), chunked(C)  # (batch, chunks, L, groups, state_dim)
     xdt = xs * dts[..., None]  # dt_j x_j
     a = (dts * A.to(compute).view(groups, r)).permute(0, 1, 3, 4, 2)  # (batch, chunks, groups, r, L), <= 0
-    seg = segment_sums(a)  # (batch, chunks, groups, r, L, L): log-decay from token j to token i
     from_start = a.cumsum(-1)  # log-decay from the chunk's start state to token i
-    to_end = seg[..., -1, :]  # log-decay from token j to the chunk's last token
+    seg = segment_sums(from_start)  # (batch, chunks, groups, r, L, L): log-decay from token j to token i
     whole = from_start[..., -1]  # (batch, chunks, groups, r): log-decay across the chunk
+    to_end = whole[..., None] - from_start  # log-decay from token j to the chunk's last token
 
     same_doc = same_to_end = from_prev = carry = None
     if seq_ids is not None:

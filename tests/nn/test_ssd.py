@@ -43,9 +43,9 @@ DOCS = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [0] * 3 + [1] * 34])
 
 
 def test_segment_sums_closed_form():
-    a = torch.tensor([1.0, 2.0, 4.0], dtype=F64)
+    a = torch.tensor([1.0, 2.0, 4.0], dtype=F64)  # cumulative sums 1, 3, 7
     inf = float("-inf")
-    assert torch.equal(segment_sums(a), torch.tensor([[0, inf, inf], [2, 0, inf], [6, 4, 0]], dtype=F64))
+    assert torch.equal(segment_sums(a.cumsum(0)), torch.tensor([[0, inf, inf], [2, 0, inf], [6, 4, 0]], dtype=F64))
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8, 16, 64])
