@@ -48,7 +48,8 @@ SHRINK = {
 # Verbs that allocate nothing and run in seconds as written: shrinking would only change what they check.
 NO_SHRINK_VERBS = {"plan", "config", "check-api", "data", "convert"}
 # `meshtron bench train` hands its arguments to the benchmark's own parser.
-SHRINK_BENCH_TRAIN = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+SHRINK_BENCH_TRAIN = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                      "--output", "runs/bench/train_throughput.json"]  # in the sandbox, not the repository
 # The dry run of a torchrun line needs a vocabulary size when the tokenizer files are not there yet.
 PLAN_VOCAB = "4096"
 
