@@ -199,6 +199,13 @@ DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 # ---- applying it -----------------------------------------------------------------------------------
 
+def check_ep_divisibility(model: nn.Module, ep: int) -> None:
+    for _, layer in moe_layers(model):
+        if layer.num_experts % ep:
+            raise ConfigError(f"parallel.ep: {ep} must divide model.num_moe_experts={layer.num_experts}; "
+                              "change one of them")
+
+
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str = "alltoall") -> None:
     """Shard the routed experts of every MoE sublayer of `model` (a GPTModel or a pipeline stage) over
     `ep_mesh` (dim 0 of the stacked weights) and install the `dispatcher` that moves their tokens.
@@ -206,11 +213,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str = "alltoall"
     if dispatcher not in DISPATCHERS:
         raise ConfigError(f"parallel.ep_dispatcher: {dispatcher!r} is not allowed; choose one of "
                           f"{', '.join(DISPATCHERS)}")
-    size = ep_mesh.size()
+    check_ep_divisibility(model, ep_mesh.size())
     for _, layer in moe_layers(model):
-        if layer.num_experts % size:
-            raise ConfigError(f"parallel.ep: {size} must divide model.num_moe_experts={layer.num_experts}; "
-                              "change one of them")
         experts = layer.experts
         for name in EXPERT_WEIGHTS:
             weight = getattr(experts, name, None)

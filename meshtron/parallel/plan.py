@@ -25,6 +25,7 @@ from meshtron.config.schema import ModelConfig, RunConfig
 from meshtron.models.gpt import GPTModel
 from meshtron.models.mtp import combine_losses, forward_for_loss
 from meshtron.nn.context import PackedContext
+from meshtron.nn.moe.experts import GroupedExperts
 from meshtron.parallel.activation_checkpoint import SELECTIVE
 from meshtron.parallel.dims import ParallelDims
 
@@ -162,7 +163,7 @@ def tp_shard_dim(name: str, module: nn.Module) -> Optional[int]:
         return 0
     if len(parts) >= 3 and parts[-3] == "mixer" and owner in MAMBA_BY_CHANNEL:
         return 0
-    if len(parts) >= 3 and parts[-3] == "mixer" and isinstance(module, nn.Linear):
+    if len(parts) >= 3 and parts[-3] in ("mixer", "shared_experts") and isinstance(module, nn.Linear):
         if owner in COLUMN_PARALLEL:
             return 0
         if owner in ROW_PARALLEL and leaf == "weight":
@@ -181,6 +182,19 @@ def local_numel(shape: torch.Size, tp_dim: Optional[int], tp: int, fsdp: int) ->
     return math.prod(dims)
 
 
+def expert_local_numel(shape: torch.Size, dims: ParallelDims) -> int:
+    """Elements of a routed-expert parameter (experts, ...) under expert parallelism, the rules of
+    `apply_ep` and `apply_fsdp`: experts / ep of them, FSDP-split over dp_shard_mod_ep along dim 0
+    when it divides evenly, else along dim 1 (padded, ceil). Replicated over tp."""
+    local = [shape[0] // dims.ep, *shape[1:]]
+    f = dims.dp_shard_mod_ep
+    if local[0] % f == 0:
+        local[0] //= f
+    else:
+        local[1] = math.ceil(local[1] / f)
+    return math.prod(local)
+
+
 def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims) -> list[tuple[str, int, int]]:
     """(name, local elements, local gradient elements) of every parameter a pipeline rank holds."""
     owners = dict(model.named_modules())
@@ -188,6 +202,10 @@ def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims) -
     out = []
     for name, p in _chunk_parameters(model, chunks):
         owner = owners[name.rpartition(".")[0]]
+        if dims.ep > 1 and isinstance(owner, GroupedExperts):
+            numel = expert_local_numel(p.shape, dims)
+            out.append((name, numel, numel))
+            continue
         dim = tp_shard_dim(name, owner) if dims.tp > 1 else None
         numel = local_numel(p.shape, dim, dims.tp, fsdp)
         # Measured: DTensor's backward of a vocabulary-parallel embedding returns a Replicate
@@ -238,6 +256,11 @@ def local_model_config(cfg: RunConfig, vocab: int, tp: int) -> ModelConfig:
         m.kv_channels = m.head_dim
         m.num_query_groups = m.num_kv_heads // tp
         m.num_attention_heads //= tp
+        if m.num_moe_experts:
+            # routed experts are not split over tp (expert parallelism splits them); shared ones are
+            m.moe_ffn_hidden_size = m.moe_ffn_size
+            if m.moe_shared_expert_intermediate_size:
+                m.moe_shared_expert_intermediate_size //= tp
         m.ffn_hidden_size = m.ffn_size // tp
         if "M" in m.pattern:
             m.mamba_num_heads, m.mamba_num_groups = m.mamba_heads // tp, m.mamba_num_groups // tp
@@ -397,6 +420,9 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
                     TP-local shape splits column-parallel weights (wq, wk, wv, w_gate, w_up, output)
                     on dim 0, row-parallel ones (wo, w_down) on dim 1, embeddings on the vocabulary,
                     and replicates norms and row-parallel biases; FSDP pads dim 0 (ceil).
+                    Under expert parallelism a routed expert weight (experts, ...) holds experts / ep
+                    of them, split over dp_shard * cp / ep more (dim 0 if even, else dim 1), and is
+                    not split over tp; the shared experts are column/row-parallel like the MLP.
       grads       = params (fp32, sharded like the parameters), except that under TP without FSDP
                     the embedding gradients are whole tables: DTensor's backward of a vocabulary-
                     parallel embedding returns them Replicate (measured on torch 2.13).
@@ -412,6 +438,8 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
                     chunk-micro-batches of 1/v of the rank each; zero-bubble min(m, pp) (ZB-V keeps
                     pp micro-batches of both its chunks on every rank).
       total       = params + grads + optimizer + activations.
+    MoE sublayers trace a balanced dropless routing: under EP each rank's experts then receive as
+    many rows as it sends, so the traced activations hold for any ep.
     Not counted: FSDP's transiently gathered sublayer parameters, communication buffers, ring
     attention's extra key/value blocks under CP, and the one sublayer recompute materialises during
     its backward. bf16 traces under CPU autocast; parameters, gradients and states stay fp32.
@@ -425,6 +453,10 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
         from meshtron.parallel.tensor_parallel import check_tp_divisibility
 
         check_tp_divisibility(full, dims.tp)
+    if dims.ep > 1:
+        from meshtron.parallel.expert_parallel import check_ep_divisibility
+
+        check_ep_divisibility(full, dims.ep)
     chunks_by_rank = rank_chunks(cfg, dims)
     batch, seq = cfg.train.micro_batch_size, cfg.data.seq_length // dims.cp
     loss_factor = dims.tp if dims.tp > 1 and not cfg.parallel.loss_parallel else 1

@@ -18,6 +18,7 @@ from meshtron.config.loader import load_config
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.moe import MoELayer
 from meshtron.nn.moe.routing_map import build_routing_map
+from meshtron.parallel.plan import estimate_memory
 from meshtron.testing.multiprocess import run_ranks
 from meshtron.training import Trainer
 
@@ -164,7 +165,8 @@ EP_LAYOUTS = {
     "ep4": (4, {"parallel.ep": "4"}),
     "ep2_allgather": (2, {"parallel.ep": "2", "parallel.ep_dispatcher": "allgather", **CAPACITY}),
     "ep2_fsdp2": (4, {"parallel.ep": "2"}),
-    "ep2_tp2": (4, {"parallel.ep": "2", "parallel.tp": "2"}),
+    "ep2_tp2_shared": (4, {"parallel.ep": "2", "parallel.tp": "2", "model.moe_shared_expert_intermediate_size": "32",
+                           "model.moe_shared_expert_gate": "true"}),
     "ep2_tp2_no_sp": (4, {"parallel.ep": "2", "parallel.tp": "2", "parallel.sequence_parallel": "false",
                           "parallel.loss_parallel": "false"}),
     "ep2_pp2": (4, {"parallel.ep": "2", "parallel.pp": "2"}),
@@ -183,6 +185,7 @@ def train_recording(rank: int, world: int, overrides: dict[str, str]) -> dict:
     capacity dropping, keyed by (step, global micro-batch index, layer), and the logged MoE metrics."""
     from meshtron.config.loader import load_config
     from meshtron.nn.moe.balance import moe_layers
+    from meshtron.parallel.plan import local_tensor
     from meshtron.testing.parity import full_parameters
     from meshtron.training import Trainer
 
@@ -202,8 +205,14 @@ def train_recording(rank: int, world: int, overrides: dict[str, str]) -> dict:
 
         layer.dispatcher.dispatch = recording
     history = trainer.train()
+    mesh = trainer.mesh
+    # the rank that holds the largest shards (FSDP pads dim 0; DTensor gives rank 0 the larger chunk)
+    first = mesh is None or all(c == 0 for name, c in zip(mesh.root.mesh_dim_names, mesh.root.get_coordinate())
+                                if name != "pp")
     return {"losses": [r.loss for r in history], "params": full_parameters(trainer.model), "maps": maps,
-            "moe": [{k: v for k, v in r.extra.items() if k.startswith("moe_")} for r in history]}
+            "moe": [{k: v for k, v in r.extra.items() if k.startswith("moe_")} for r in history],
+            "pp_rank": mesh["pp"].get_local_rank() if mesh is not None else 0, "holds_largest": first,
+            "local_numel": sum(local_tensor(p).numel() for p in trainer.model.parameters())}
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +239,12 @@ def test_ep_training_matches_single_process(layout, moe_reference, tmp_path):
                         overrides=overrides)
     ref = moe_reference({k: v for k, v in extra.items() if k.startswith(("model.", "optimizer."))})
     check_against_reference(results, (ref["losses"], ref["params"]))
+    # `meshtron plan` counts the parameters each rank really holds
+    plans = estimate_memory(load_config(overrides=overrides, world_size=world), world)
+    largest = [r for r in results if r["holds_largest"]]
+    assert len(largest) == len(plans)
+    for r in largest:
+        assert r["local_numel"] == plans[r["pp_rank"]]["num_params"]
     if "parallel.pp" not in extra:  # under a pipeline each stage logs the MoE metrics of its own layers
         for r in results:
             for got, want in zip(r["moe"], ref["moe"]):
