@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.config import ConfigError, load_config
-from meshtron.data.loader import fixed_batches
+from meshtron.data.loader import BatchLoader, fixed_batches
 from meshtron.distill import DistillTrainer
+from meshtron.models.gpt import GPTModel
 from meshtron.nn.context import PackedContext
 from meshtron.testing.multiprocess import run_ranks
 from meshtron.training import Trainer
@@ -111,6 +112,51 @@ def test_hf_teacher_gives_the_hf_models_logits(tiny_config, tmp_path):
         theirs = hf(tokens).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     assert trainer.train()[0].loss > 0
+
+
+def test_hybrid_moe_teacher_with_its_own_pattern(tiny_config, tmp_path):
+    """A Mamba + attention + MoE teacher (pattern 'M*E-', width 48) distilled into the dense student:
+    the logged KL of step 1 equals KL(teacher || student) computed here from the two models."""
+    teacher_cfg = load_config(overrides={
+        **TEACHER, "model.layer_pattern": "M*E-", "model.num_moe_experts": "4", "model.mamba_head_dim": "8",
+        "model.mamba_num_groups": "2", "model.mamba_state_dim": "8", "model.mamba_chunk_size": "8",
+        "train.train_iters": "2", "train.run_dir": str(tmp_path / "teacher"),
+        "checkpoint.save": str(tmp_path / "teacher" / "checkpoints")})
+    Trainer(teacher_cfg).train()
+    trainer = DistillTrainer(tiny_config(**{"teacher.load": str(tmp_path / "teacher" / "checkpoints"),
+                                            "train.train_iters": "1", "checkpoint.save_at_end": "false"}))
+    assert trainer.teacher_cfg.pattern == "M*E-" and trainer.teacher_cfg.hidden_size == 48
+    student = GPTModel(trainer.cfg.model, trainer.tokenizer.vocab_size)
+    student.load_state_dict(trainer.model.state_dict())
+    cfg = trainer.cfg.train
+    batch = BatchLoader(trainer.train_ds, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+                        seed=trainer.cfg.data.seed).next_global_batch()
+    vocab = trainer.tokenizer.vocab_size
+    expected = sum(kl_to_teacher(student, trainer.teacher, [mb], vocab) * float(mb["loss_mask"].sum()) for mb in batch)
+    expected /= sum(float(mb["loss_mask"].sum()) for mb in batch)
+    result = trainer.train()[0]
+    assert result.extra["distill_kl"] == pytest.approx(expected, rel=1e-5)
+    assert result.loss == pytest.approx(expected, rel=1e-5)   # kl alone, weight 1, no label term
+
+
+def test_distillation_resumes_exactly(tiny_config, teacher_checkpoint, tmp_path):
+    """The projections and the optimizer state come back from the checkpoint; the teacher from teacher.load."""
+    common = {"teacher.load": teacher_checkpoint, "distill.losses": "kl,hidden_mse", "distill.layer_pairs": "0:2",
+              "scheduler.decay_steps": "4"}
+    straight = DistillTrainer(tiny_config(**common, **{"train.train_iters": "4",
+                                                        "checkpoint.save_at_end": "false"})).train()
+    DistillTrainer(tiny_config(**common, **{"train.train_iters": "2", "checkpoint.save": str(tmp_path / "ck")})).train()
+    resumed = DistillTrainer(tiny_config(**common, **{"train.train_iters": "4", "checkpoint.load": str(tmp_path / "ck"),
+                                                       "checkpoint.save_at_end": "false"})).train()
+    assert [r.loss for r in resumed] == [r.loss for r in straight][2:]
+
+
+def test_cli_distill_without_a_teacher_is_one_line(capsys):
+    from meshtron.cli import main
+
+    assert main(["distill", "--train.train_iters", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: teacher.load: distillation needs a teacher") and "\n" not in err
 
 
 def test_teacher_errors_are_one_line(tiny_config, teacher_checkpoint, tmp_path):
