@@ -8,7 +8,9 @@ unary minus, no other syntax), evaluates it exactly with fractions, and gives
     format_reward  the numbers are right but the value is not
     0.0            wrong numbers (missing, extra, repeated) or anything that does not parse
 Problems are generated: random numbers, a random expression tree over them, the target its value
-(a positive integer up to max_target); the expression is the demonstration for the warm-up.
+(a positive integer up to max_target); the expression is the demonstration for the warm-up. The
+prompt lists the numbers in a random order, so several answers are right and the demonstration is
+one of them.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class Countdown:
             if value.denominator == 1 and 0 < value <= self.max_target:
                 target = int(value)
                 key = f"{sorted(numbers)}={target}"
-                return key, Problem(self.name, (tuple(numbers), target), solution=render(tree))
+                shown = rng.sample(numbers, len(numbers))  # the prompt does not give away the solution's order
+                return key, Problem(self.name, (tuple(shown), target), solution=render(tree))
 
     def get_dataset(self, split: str, size: int, seed: int) -> GeneratedDataset:
         return GeneratedDataset(self.make, split, size, seed, self.eval_percent)
