@@ -44,6 +44,8 @@ SHRINK = {
     "--model.max_position_embeddings": "256", "--data.seq_length": "32",
     "--logger.progress_bar": "off", "--checkpoint.save_interval": "0",
     "--max-new-tokens": "8", "--max-documents": "40", "--kv-cache-memory-mb": "16",
+    "--rl.warmup_steps": "2", "--rl.warmup_batch_size": "4", "--rl.prompts_per_step": "2", "--rl.group_size": "2",
+    "--rl.max_new_tokens": "4", "--rl.eval_problems": "4", "--rl.eval_samples": "0",
 }
 # Verbs that allocate nothing and run in seconds as written: shrinking would only change what they check.
 NO_SHRINK_VERBS = {"plan", "config", "check-api", "data", "convert"}
