@@ -67,7 +67,7 @@ def chunk_scan_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     batch, seq, heads, head_dim = x.shape
     groups, state_dim = B.shape[2:]
     r = heads // groups  # heads per group
-    L = chunk_size
+    L = max(1, min(chunk_size, seq))  # a shorter sequence is one chunk of its own length (same result, no padding)
     compute = torch.promote_types(x.dtype, torch.float32)
     pad = (-seq) % L
     n = (seq + pad) // L  # chunks

@@ -143,3 +143,32 @@ def test_unconvertible_settings_name_the_field(dirs):
     cfg.mamba_dt_limit_max = 1.0
     with pytest.raises(ConversionError, match="model.mamba_dt_limit_min=.* cannot be written as NemotronHForCausalLM"):
         adapter_for_hf(hf_cfg).to_hf_config(cfg)
+
+
+def test_init_from_hf_trains_a_hybrid_and_exports_it(tmp_path):
+    """`train.init_from_hf` on NemotronH starts at the HF logits; after a step the export loads back
+    into transformers with meshtron's logits."""
+    from meshtron.config import load_config
+    from meshtron.training import Trainer
+    from tests.conftest import TINY
+
+    config = configs()["nemotron_h"]
+    config.vocab_size = 272  # the byte tokenizer's 262 ids fit
+    build(config).save_pretrained(tmp_path / "hf")
+    overrides = {**TINY, "train.run_dir": str(tmp_path / "run"), "train.init_from_hf": str(tmp_path / "hf"),
+                 "train.train_iters": "1", "optimizer.lr": "1e-2", "scheduler.warmup_steps": "0",
+                 "data.seq_length": "32"}
+    trainer = Trainer(load_config(overrides=overrides), echo=False)
+    assert trainer.cfg.model.pattern == "M-*M-"
+    tokens = torch.randint(0, 262, (2, 16))
+
+    def diff(hf) -> float:
+        trainer.model.eval()
+        with torch.no_grad():
+            return (trainer.model(tokens) - hf(tokens).logits).abs().max().item()
+
+    assert diff(load_hf(tmp_path / "hf")) <= TOL
+    trainer.train()
+    meshtron_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "trained")
+    assert diff(load_hf(tmp_path / "trained")) <= TOL
+    assert diff(load_hf(tmp_path / "hf")) > 1e-3
