@@ -3,7 +3,7 @@ and the per-token cost of routing and of each token dispatcher.
 
     python benchmarks/moe.py [--hidden-size 512] [--expert-ffn 1024] [--num-experts 8] [--topk 2]
                              [--batch-size 4] [--seq-length 512] [--device auto] [--dtype auto]
-                             [--output benchmarks/results/moe.json]
+                             [--ep-sizes 2,4] [--output benchmarks/results/moe.json]
 """
 
 import sys

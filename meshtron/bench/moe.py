@@ -7,7 +7,8 @@ Cases, all on the same random input of `tokens` rows (batch x seq) and timed for
   moe grouped    the MoE sublayer, experts as grouped GEMMs (`torch._grouped_mm`) where supported
   moe looped     the same sublayer and weights, one matmul per expert
 Then, forward only, per token: the router (logits, top-k, balancing losses), the routing map, and
-each dispatcher's dispatch + combine with an identity in place of the experts.
+each dispatcher's dispatch + combine with an identity in place of the experts; the expert-parallel
+dispatchers (all-gather, all-to-all) over --ep-sizes gloo ranks (meshtron/bench/moe_dispatch.py).
 Repeats alternate the cases; the table shows medians and ratios to the dense MLP of the same run.
 """
 
@@ -53,6 +54,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA, else fp32")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ep-sizes", default="2,4",
+                   help="expert-parallel dispatcher cost over this many gloo ranks (comma list; '' skips), "
+                        "see meshtron/bench/moe_dispatch.py")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     return p.parse_args(argv)
 
@@ -188,6 +192,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(rows, per_token, meta)
     result = {"settings": meta, "cases": rows, "per_token_ns": per_token,
               "raw_s": {"layers": times, "dispatch": dispatch}}
+    ep_sizes = [int(v) for v in args.ep_sizes.split(",") if v.strip()]
+    if ep_sizes:
+        from meshtron.bench.moe_dispatch import measure, print_rows
+
+        result["ep_dispatch"] = measure(ep_sizes, tokens=num_tokens, hidden_size=args.hidden_size,
+                                        num_experts=args.num_experts, topk=args.topk, repeats=args.repeats,
+                                        iters=args.iters, warmup=args.warmup)
+        print_rows(result["ep_dispatch"])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.output}")
