@@ -6,9 +6,8 @@ The interface (`TokenDispatcher`) has two halves around the expert computation:
            tokens_per_expert (num_local_experts,) long, handle
     combine(expert_output (N, hidden), handle) -> (T, hidden)
         out[t] = sum over experts e with routing_map[t, e] of probs[t, e] * expert_e(tokens[t])
-The probabilities never travel: combine applies them where the tokens came from, so a dispatcher that
-exchanges rows between ranks (all-gather, all-to-all over the `ep` mesh axis, installed by
-meshtron/parallel) moves only hidden states, in dispatch and back in combine.
+A dispatcher that exchanges rows between ranks (all-gather, all-to-all over the `ep` mesh axis,
+installed by meshtron/parallel/expert_parallel.py) returns rows only for this rank's experts.
 
 `LocalDispatcher` serves every expert on this device: a permutation (expert-major, token order within
 an expert) and its inverse as an index_add, both plain autograd ops.
