@@ -378,6 +378,8 @@ class ParallelConfig:
     ep: int = option(1, "Expert-parallel degree: routed experts split over this many of the dp_shard x cp ranks")
     ep_dispatcher: Literal["alltoall", "allgather"] = option(
         "alltoall", "With ep > 1: how tokens reach their experts' ranks (uneven all-to-all, or all-gather + reduce-scatter)")
+    expert_tensor_parallel: bool = option(
+        False, "With tp > 1: split each routed expert's ffn width over tp too (else routed experts replicate over tp)")
     sequence_parallel: bool = option(True, "With tp > 1: split norms/dropout/residual activations along the sequence")
     loss_parallel: bool = option(True, "With tp > 1: keep logits vocabulary-sharded through the cross-entropy")
     fsdp_reshard_after_forward: bool = option(True, "FSDP: free gathered parameters after forward (ZeRO-3); false keeps them (ZeRO-2)")

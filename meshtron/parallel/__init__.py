@@ -38,8 +38,9 @@ def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMe
     for part in parts:
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
-        if dims.ep > 1:
-            apply_ep(part, mesh["ep"], p.ep_dispatcher)
+        expert_axes = (("ep",) if dims.ep > 1 else ()) + (("tp",) if p.expert_tensor_parallel and dims.tp > 1 else ())
+        if expert_axes:
+            apply_ep(part, mesh[expert_axes if len(expert_axes) > 1 else expert_axes[0]], p.ep_dispatcher)
         if p.activation_checkpoint != "none":
             apply_activation_checkpoint(part, p.activation_checkpoint)
         if p.compile:

@@ -20,6 +20,11 @@ rank and micro-batch, as in one process). Two dispatchers (parallel.ep_dispatche
 All-to-all moves only the rows that need to move (T k (P-1)/P per rank on average); all-gather moves
 T (P-1) rows in and out whatever the routing, but needs no count exchange or host sync.
 Uneven numbers of tokens per rank are allowed (all-gather pads to the largest).
+
+Expert tensor parallelism (parallel.expert_tensor_parallel, with tp > 1) also splits every expert's
+ffn width over `tp`: the weights become DTensors on the 2-D (ep, tp) mesh, and the tp ranks, which
+route the same replicated tokens, all-reduce their partial expert outputs (see
+ExpertTensorParallelDispatcher). Without it the routed experts are replicated over tp.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from meshtron.config.fields import ConfigError
 from meshtron.nn.moe.balance import moe_layers
-from meshtron.nn.moe.dispatcher import LocalHandle, permute, unpermute
+from meshtron.nn.moe.dispatcher import LocalDispatcher, LocalHandle, permute, unpermute
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
@@ -199,6 +204,59 @@ DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 # ---- applying it -----------------------------------------------------------------------------------
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp ranks (each holds a share of the ffn)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Sum over the tp ranks forward; identity backward (what follows is replicated over tp)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class ExpertTensorParallelDispatcher:
+    """Expert tensor parallelism around another dispatcher: each tp rank holds 1/tp of every expert's
+    ffn width (w_gate, w_up split along their output rows, w_down along its input columns), sees the same
+    rows (tokens are replicated over tp), and computes a partial sum of each expert output. The partial
+    outputs are all-reduced over tp before `combine`; the input rows' gradient is all-reduced in backward
+    (Megatron's column/row-parallel pair, per expert)."""
+
+    def __init__(self, inner, tp_group):
+        self.inner, self.tp_group = inner, tp_group
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        rows, tokens_per_expert, handle = self.inner.dispatch(tokens, probs, routing_map)
+        return _CopyToTensorParallel.apply(rows, self.tp_group), tokens_per_expert, handle
+
+    def combine(self, expert_output: torch.Tensor, handle) -> torch.Tensor:
+        return self.inner.combine(_ReduceFromTensorParallel.apply(expert_output, self.tp_group), handle)
+
+
+# ---- applying it -----------------------------------------------------------------------------------
+
+# the dim of each stacked expert weight that expert tensor parallelism splits (the ffn width)
+ETP_DIMS = {"w_gate": 1, "w_up": 1, "w_down": 2, "b_gate": 1, "b_up": 1}
+
+
 def check_ep_divisibility(model: nn.Module, ep: int) -> None:
     for _, layer in moe_layers(model):
         if layer.num_experts % ep:
@@ -206,19 +264,40 @@ def check_ep_divisibility(model: nn.Module, ep: int) -> None:
                               "change one of them")
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str = "alltoall") -> None:
-    """Shard the routed experts of every MoE sublayer of `model` (a GPTModel or a pipeline stage) over
-    `ep_mesh` (dim 0 of the stacked weights) and install the `dispatcher` that moves their tokens.
+def apply_ep(model: nn.Module, mesh: DeviceMesh, dispatcher: str = "alltoall") -> None:
+    """Shard the routed experts of every MoE sublayer of `model` (a GPTModel or a pipeline stage) and
+    install the dispatcher that moves their tokens. `mesh` has an "ep" axis (expert parallelism:
+    dim 0 of the stacked weights split, tokens moved by `dispatcher`), a "tp" axis (expert tensor
+    parallelism: the ffn width split, see ExpertTensorParallelDispatcher), or both.
     Every rank must hold the same full weights before (they are built from one seed)."""
     if dispatcher not in DISPATCHERS:
         raise ConfigError(f"parallel.ep_dispatcher: {dispatcher!r} is not allowed; choose one of "
                           f"{', '.join(DISPATCHERS)}")
-    check_ep_divisibility(model, ep_mesh.size())
+    names = mesh.mesh_dim_names
+    assert set(names) <= {"ep", "tp"} and names, names
+    if "ep" in names:
+        check_ep_divisibility(model, mesh["ep"].size())
+    if "tp" in names:
+        check_etp(model, mesh["tp"].size())
     for _, layer in moe_layers(model):
         experts = layer.experts
         for name in EXPERT_WEIGHTS:
             weight = getattr(experts, name, None)
             if weight is not None:
-                setattr(experts, name, nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]),
+                placements = [Shard(0) if axis == "ep" else (Shard(ETP_DIMS[name]) if name in ETP_DIMS else Replicate())
+                              for axis in names]
+                setattr(experts, name, nn.Parameter(distribute_tensor(weight.data, mesh, placements),
                                                     requires_grad=weight.requires_grad))
-        layer.dispatcher = DISPATCHERS[dispatcher](ep_mesh.get_group(), layer.num_experts)
+        inner = DISPATCHERS[dispatcher](mesh["ep"].get_group(), layer.num_experts) if "ep" in names else LocalDispatcher()
+        layer.dispatcher = ExpertTensorParallelDispatcher(inner, mesh["tp"].get_group()) if "tp" in names else inner
+
+
+def check_etp(model: nn.Module, tp: int) -> None:
+    for _, layer in moe_layers(model):
+        ffn = layer.experts.w_up.shape[1]
+        if ffn % tp:
+            raise ConfigError(f"parallel.expert_tensor_parallel: tp={tp} must divide the expert width {ffn} "
+                              "(model.moe_ffn_hidden_size); change one of them or set it false")
+        if layer.experts.b_down is not None:
+            raise ConfigError("parallel.expert_tensor_parallel: expert biases (model.add_bias_linear) are not "
+                              "supported with expert tensor parallelism; set it false (experts then replicate over tp)")

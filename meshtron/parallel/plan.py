@@ -182,28 +182,39 @@ def local_numel(shape: torch.Size, tp_dim: Optional[int], tp: int, fsdp: int) ->
     return math.prod(dims)
 
 
-def expert_local_numel(shape: torch.Size, dims: ParallelDims) -> int:
-    """Elements of a routed-expert parameter (experts, ...) under expert parallelism, the rules of
-    `apply_ep` and `apply_fsdp`: experts / ep of them, FSDP-split over dp_shard_mod_ep along dim 0
-    when it divides evenly, else along dim 1 (padded, ceil). Replicated over tp."""
+def expert_local_numel(name: str, shape: torch.Size, dims: ParallelDims, etp: bool) -> int:
+    """Elements of a routed-expert parameter (experts, ...), the rules of `apply_ep` and `apply_fsdp`:
+    experts / ep of them; with expert tensor parallelism the ffn width / tp; then FSDP: under EP over
+    dp_shard_mod_ep along dim 0 when it divides evenly, else along dim 1 (padded, ceil), without EP
+    over dp_shard x cp along dim 0 (padded)."""
+    from meshtron.parallel.expert_parallel import ETP_DIMS
+
     local = [shape[0] // dims.ep, *shape[1:]]
-    f = dims.dp_shard_mod_ep
-    if local[0] % f == 0:
-        local[0] //= f
+    leaf = name.rpartition(".")[2]
+    if etp and leaf in ETP_DIMS:
+        local[ETP_DIMS[leaf]] = math.ceil(local[ETP_DIMS[leaf]] / dims.tp)
+    if dims.ep > 1:
+        f = dims.dp_shard_mod_ep
+        if local[0] % f == 0:
+            local[0] //= f
+        else:
+            local[1] = math.ceil(local[1] / f)
     else:
-        local[1] = math.ceil(local[1] / f)
+        local[0] = math.ceil(local[0] / (dims.dp_shard * dims.cp))
     return math.prod(local)
 
 
-def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims) -> list[tuple[str, int, int]]:
-    """(name, local elements, local gradient elements) of every parameter a pipeline rank holds."""
+def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims,
+                    etp: bool = False) -> list[tuple[str, int, int]]:
+    """(name, local elements, local gradient elements) of every parameter a pipeline rank holds;
+    `etp`: expert tensor parallelism (with tp > 1)."""
     owners = dict(model.named_modules())
     fsdp = dims.dp_shard * dims.cp  # HSDP replicates over dp_replicate
     out = []
     for name, p in _chunk_parameters(model, chunks):
         owner = owners[name.rpartition(".")[0]]
-        if dims.ep > 1 and isinstance(owner, GroupedExperts):
-            numel = expert_local_numel(p.shape, dims)
+        if isinstance(owner, GroupedExperts) and (dims.ep > 1 or etp):
+            numel = expert_local_numel(name, p.shape, dims, etp)
             out.append((name, numel, numel))
             continue
         dim = tp_shard_dim(name, owner) if dims.tp > 1 else None
@@ -248,9 +259,10 @@ def optimizer_bytes(cfg: RunConfig, numels: list[int]) -> int:
 
 # ---- activations ----------------------------------------------------------------------------------
 
-def local_model_config(cfg: RunConfig, vocab: int, tp: int) -> ModelConfig:
+def local_model_config(cfg: RunConfig, vocab: int, tp: int, etp: bool = False) -> ModelConfig:
     """The model as one tensor-parallel rank computes it: 1/tp of the heads, MLP width and
-    (padded) vocabulary, the full hidden size."""
+    (padded) vocabulary, the full hidden size; the routed experts' width / tp only under expert
+    tensor parallelism (`etp`)."""
     m = copy.deepcopy(cfg.model)
     if tp > 1:
         m.kv_channels = m.head_dim
@@ -258,7 +270,7 @@ def local_model_config(cfg: RunConfig, vocab: int, tp: int) -> ModelConfig:
         m.num_attention_heads //= tp
         if m.num_moe_experts:
             # routed experts are not split over tp (expert parallelism splits them); shared ones are
-            m.moe_ffn_hidden_size = m.moe_ffn_size
+            m.moe_ffn_hidden_size = m.moe_ffn_size // tp if etp else m.moe_ffn_size
             if m.moe_shared_expert_intermediate_size:
                 m.moe_shared_expert_intermediate_size //= tp
         m.ffn_hidden_size = m.ffn_size // tp
@@ -422,7 +434,8 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
                     and replicates norms and row-parallel biases; FSDP pads dim 0 (ceil).
                     Under expert parallelism a routed expert weight (experts, ...) holds experts / ep
                     of them, split over dp_shard * cp / ep more (dim 0 if even, else dim 1), and is
-                    not split over tp; the shared experts are column/row-parallel like the MLP.
+                    not split over tp unless expert_tensor_parallel (then its ffn width / tp); the
+                    shared experts are column/row-parallel like the MLP.
       grads       = params (fp32, sharded like the parameters), except that under TP without FSDP
                     the embedding gradients are whole tables: DTensor's backward of a vocabulary-
                     parallel embedding returns them Replicate (measured on torch 2.13).
@@ -453,21 +466,24 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
         from meshtron.parallel.tensor_parallel import check_tp_divisibility
 
         check_tp_divisibility(full, dims.tp)
-    if dims.ep > 1:
-        from meshtron.parallel.expert_parallel import check_ep_divisibility
+    etp = cfg.parallel.expert_tensor_parallel and dims.tp > 1
+    if dims.ep > 1 or etp:
+        from meshtron.parallel.expert_parallel import check_ep_divisibility, check_etp
 
         check_ep_divisibility(full, dims.ep)
+        if etp:
+            check_etp(full, dims.tp)
     chunks_by_rank = rank_chunks(cfg, dims)
     batch, seq = cfg.train.micro_batch_size, cfg.data.seq_length // dims.cp
     loss_factor = dims.tp if dims.tp > 1 and not cfg.parallel.loss_parallel else 1
     with fake_tensors(cfg.train.precision):
-        local = GPTModel(local_model_config(cfg, full.vocab_size, dims.tp), vocab)
+        local = GPTModel(local_model_config(cfg, full.vocab_size, dims.tp, etp), vocab)
         plans = []
         for pp_rank, chunks in enumerate(chunks_by_rank):
             whole = dims.pp == 1
             per_microbatch = sum(chunk_activation_bytes(trace_chunk(local, c, whole, batch, seq, loss_factor), c,
                                                         cfg, dims, batch, seq) for c in chunks)
-            sizes = rank_parameters(full, chunks, dims)
+            sizes = rank_parameters(full, chunks, dims, etp)
             plans.append(_stage_plan(cfg, dims, pp_rank, chunks, sizes, per_microbatch, m))
     return plans
 

@@ -169,6 +169,10 @@ EP_LAYOUTS = {
                            "model.moe_shared_expert_gate": "true"}),
     "ep2_tp2_no_sp": (4, {"parallel.ep": "2", "parallel.tp": "2", "parallel.sequence_parallel": "false",
                           "parallel.loss_parallel": "false"}),
+    "ep2_tp2_etp": (4, {"parallel.ep": "2", "parallel.tp": "2", "parallel.expert_tensor_parallel": "true",
+                        **CAPACITY}),
+    "tp2_etp_fsdp2": (4, {"parallel.tp": "2", "parallel.expert_tensor_parallel": "true",
+                          "model.moe_shared_expert_intermediate_size": "32"}),
     "ep2_pp2": (4, {"parallel.ep": "2", "parallel.pp": "2"}),
     # 3 experts per ep rank over 2 data ranks: FSDP splits the expert slices along dim 1
     "ep2_fsdp2_dim1": (4, {"parallel.ep": "2", "model.num_moe_experts": "6"}),
@@ -296,3 +300,22 @@ def test_checkpoint_from_ep2_resumes_under(world, extra, saved_ep2, tmp_path):
         losses = run_ranks("meshtron.testing.parity:train_and_report", world, timeout_s=240,
                            overrides=overrides)[0]["losses"]
     assert losses == pytest.approx(ref_losses[3:], abs=1e-6, rel=0)
+
+
+# ---- layout errors: one line naming the field --------------------------------------------------------
+
+@pytest.mark.parametrize("world, extra, message", [
+    (4, {"parallel.ep": "3"}, "parallel.ep: 3 must divide dp_shard*cp = 4"),
+    (4, {"parallel.ep": "2", "parallel.cp": "4", "parallel.dp_shard": "1"}, "be a multiple of cp = 4"),
+    (4, {"parallel.ep": "4", "model.num_moe_experts": "6"}, "parallel.ep: 4 must divide model.num_moe_experts=6"),
+    (2, {"parallel.ep": "2", "parallel.ep_dispatcher": "ring"}, "parallel.ep_dispatcher"),
+    (2, {"parallel.tp": "2", "parallel.expert_tensor_parallel": "true", "model.add_bias_linear": "true"},
+     "parallel.expert_tensor_parallel: expert biases"),
+    (2, {"parallel.tp": "2", "parallel.expert_tensor_parallel": "true", "model.moe_ffn_hidden_size": "33"},
+     "parallel.expert_tensor_parallel: tp=2 must divide the expert width 33"),
+])
+def test_ep_layout_errors_name_the_field(world, extra, message):
+    from meshtron.config.fields import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=message.replace("*", r"\*")):
+        estimate_memory(load_config(overrides={**MOE, **extra}, world_size=world), world)
