@@ -39,7 +39,7 @@ DEFAULT_OUTPUT = Path("benchmarks/results/mamba.json")
 VOCAB = 262  # the byte tokenizer's vocabulary
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtron bench mamba", description=__doc__.split("\n\n")[0])
 
     def lengths(text: str) -> list[int]:
@@ -66,7 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON results (default {DEFAULT_OUTPUT})")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one training measurement
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def model_configs(args: argparse.Namespace) -> dict[str, Any]:

@@ -49,9 +49,16 @@ SHRINK = {
 }
 # Verbs that allocate nothing and run in seconds as written: shrinking would only change what they check.
 NO_SHRINK_VERBS = {"plan", "config", "check-api", "data", "convert"}
-# `meshtron bench train` hands its arguments to the benchmark's own parser.
-SHRINK_BENCH_TRAIN = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1",
-                      "--output", "runs/bench/train_throughput.json"]  # in the sandbox, not the repository
+# `meshtron bench NAME` hands its arguments to the benchmark's own parser (meshtron.bench.MODULE.build_parser);
+# the slow run appends these (outputs go into the sandbox, not the repository).
+BENCH_MODULES = {"train": "train_throughput", "mamba": "mamba", "offload": "offload"}
+SHRINK_BENCH = {
+    "train": ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1",
+              "--output", "runs/bench/train_throughput.json"],
+    "mamba": ["--train-lengths", "64", "--decode-lengths", "32,64", "--tokens-per-step", "128", "--steps", "1",
+              "--warmup", "0", "--decode-steps", "2", "--hidden-size", "32", "--sublayers", "4",
+              "--attention-layers", "2", "--mamba-state", "8", "--chunk-size", "16", "--output", "runs/bench/mamba.json"],
+}
 # The dry run of a torchrun line needs a vocabulary size when the tokenizer files are not there yet.
 PLAN_VOCAB = "4096"
 
@@ -192,8 +199,8 @@ def _cli_parser() -> argparse.ArgumentParser:
 
 def shrink(tail: list[str]) -> list[str]:
     """`tail` with the SHRINK flags its verb accepts appended (they override the page's values)."""
-    if tail[:2] == ["bench", "train"]:
-        return [*tail, *SHRINK_BENCH_TRAIN]
+    if tail[0] == "bench" and tail[1:2] and tail[1] in SHRINK_BENCH:
+        return [*tail, *SHRINK_BENCH[tail[1]]]
     if tail[0] in NO_SHRINK_VERBS:
         return list(tail)
     known = {opt for a in verb_parser(_cli_parser(), tail)._actions for opt in a.option_strings}

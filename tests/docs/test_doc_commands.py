@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import io
 import os
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 
 from meshtron.testing.multiprocess import free_port
 from tests.docs.doc_commands import (
+    BENCH_MODULES,
     PLAN_VOCAB,
     ROOT,
     blocks,
@@ -52,12 +54,10 @@ def run_main(argv: list[str]) -> tuple[int, str]:
 
 
 @functools.cache
-def cli_parser(bench: bool = False):
-    """The real parsers, built once (building one imports every verb's module)."""
+def cli_parser(bench: str = ""):
+    """The real parsers, built once (building one imports every verb's module); `bench`: that benchmark's own."""
     if bench:
-        from meshtron.bench.train_throughput import build_parser
-
-        return build_parser()
+        return importlib.import_module(f"meshtron.bench.{BENCH_MODULES[bench]}").build_parser()
     from meshtron.cli import build_parser
 
     return build_parser()
@@ -65,8 +65,8 @@ def cli_parser(bench: bool = False):
 
 def parse(tail: list[str]) -> tuple[object, str]:
     """Parse a meshtron command line with the real parsers; (namespace or None after --help, error)."""
-    if tail[:2] == ["bench", "train"]:
-        parser, argv = cli_parser(bench=True), [a for a in tail[2:] if a != "--"]
+    if tail[0] == "bench" and tail[1:2] and tail[1] in BENCH_MODULES:
+        parser, argv = cli_parser(bench=tail[1]), [a for a in tail[2:] if a != "--"]
     else:
         parser, argv = cli_parser(), tail
     out = io.StringIO()

@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.distributed.tensor import DTensor
 
 from meshtron.compat import grouped_mm, grouped_mm_supported
