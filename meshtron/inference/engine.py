@@ -7,6 +7,8 @@ fronts use it:
   steps while there is work, so awaiting a stream never blocks the caller's event loop and works
   inside any running loop (a web server, a notebook). Requests and aborts from the loop reach the
   thread through an inbox; outputs come back with `loop.call_soon_threadsafe`.
+Once that thread runs, `generate` hands its requests to it too and waits on a thread-safe queue
+(never on an event loop), so it also works when called from inside a running loop.
 A lock makes `step`, `suspend` and `resume` exclusive, so the fronts can be mixed.
 """
 
@@ -70,7 +72,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # req_id -> a callable that hands one output to whoever waits for it (any thread)
+        self._streams: dict[str, Callable[[RequestOutput], None]] = {}
         self._suspended: Optional[list[tuple[Request, torch.Tensor]]] = None
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
@@ -189,11 +192,10 @@ class LLMEngine:
 
     def _emit(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
-            target = self._streams.get(out.req_id)
-            if target is not None:
-                loop, q = target
+            deliver = self._streams.get(out.req_id)
+            if deliver is not None:
                 try:
-                    loop.call_soon_threadsafe(q.put_nowait, out)
+                    deliver(out)
                 except RuntimeError:  # the stream's loop is closed: nobody is listening any more
                     self._streams.pop(out.req_id, None)
         return outputs
@@ -237,12 +239,26 @@ class LLMEngine:
         return [final[r.req_id] for r in requests]
 
     def _generate_via_loop(self, requests: list[Request]) -> list[RequestOutput]:
-        async def collect() -> list[RequestOutput]:
-            async def one(request: Request) -> RequestOutput:
-                outputs = [out async for out in self.stream_request(request)]
-                return outputs[-1]
-            return await asyncio.gather(*(one(r) for r in requests))
-        return asyncio.run(collect())
+        """Hand the requests to the background thread and block on a thread-safe queue until each
+        has finished: no event loop is created or awaited, so a caller's running loop is fine."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        for request in requests:
+            self._streams[request.req_id] = done.put
+        final: dict[str, RequestOutput] = {}
+        try:
+            for request in requests:
+                self._inbox.put(("add", request))
+            self.start_background_loop()
+            while len(final) < len(requests):
+                out = done.get()
+                if out.finished:
+                    final[out.req_id] = out
+        finally:
+            for request in requests:
+                if self._streams.pop(request.req_id, None) is not None and request.req_id not in final:
+                    self._inbox.put(("abort", request.req_id))
+            self._wake.set()
+        return [final[r.req_id] for r in requests]
 
     # ---- asynchronous front ---------------------------------------------------------------------
 
@@ -256,7 +272,8 @@ class LLMEngine:
     async def stream_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Stream a request made (and validated) by `make_request`."""
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request.req_id] = (asyncio.get_running_loop(), q)
+        loop = asyncio.get_running_loop()
+        self._streams[request.req_id] = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
         self._inbox.put(("add", request))
         self.start_background_loop()
         finished = False

@@ -115,3 +115,32 @@ def test_stop_strings_log_probs_and_events(model):
     assert [e.kind.value for e in cut.events] == ["added", "scheduled", "finished"]
     assert free.finish_reason == "length" and len(free.token_ids) == 30
     assert TOKENIZER.decode(free.token_ids) == free.text
+
+
+def test_generate_inside_a_running_loop_before_and_after_a_stream(model):
+    """A notebook cell or a web handler: `generate` from an `async def`, first while no background
+    thread exists, then after a stream started one; outputs equal the plain call's."""
+    prompts = [[1, 2], [3, 4, 5], [9, 8, 7, 6, 5, 4]]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in engine(model, num_blocks=64, block_size=4).generate(prompts, params)]
+    eng = engine(model, num_blocks=64, block_size=4)
+
+    async def main():
+        before = eng.generate(prompts, params)
+        streamed = [out async for out in eng.stream([1, 2], params)]
+        assert eng._thread is not None  # the background loop now steps
+        after = eng.generate(prompts, params)
+        seeded = SamplingParams(max_tokens=5, temperature=0.8, seed=3)
+        return before, streamed, after, eng.generate(prompts[1], seeded)
+
+    try:
+        before, streamed, after, seeded = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in before] == plain
+    assert [o.token_ids for o in after] == plain
+    assert streamed[-1].token_ids == plain[0]
+    alone = engine(model, num_blocks=64, block_size=4).generate(prompts[1], SamplingParams(
+        max_tokens=5, temperature=0.8, seed=3))
+    assert seeded[0].token_ids == alone[0].token_ids
+    assert eng.kv.num_free_blocks == 64
