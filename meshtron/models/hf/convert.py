@@ -51,7 +51,13 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ConversionError(f"{str(hf_dir)!r} has no config.json; give a Hugging Face model directory")
-    return json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{str(path)!r} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{str(path)!r} holds a {type(hf).__name__}, not a JSON object")
+    return hf
 
 
 def meshtron_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

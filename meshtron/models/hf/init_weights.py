@@ -1,8 +1,10 @@
 """`train.init_from_hf`: build the model a Hugging Face directory describes and copy its weights in.
 
 The architecture comes from config.json; the training-only fields (dropout, init, MTP) come from the
-user's model section. Weights are copied tensor by tensor from the memory-mapped safetensors files.
-Parameters with no HF counterpart (new MTP depths) keep their fresh initialisation.
+user's model section. Weights are copied tensor by tensor, each read from its safetensors file with a
+positioned read of just that tensor's bytes. Parameters with no HF counterpart (new MTP depths) keep
+their fresh initialisation. Conversion errors (unsupported architecture, missing or unexpected tensor,
+unreadable file) reach the user as one-line ConfigErrors naming `train.init_from_hf`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from meshtron.config.schema import ModelConfig
 from meshtron.models.gpt import GPTModel
 from meshtron.models.hf.adapter import ConversionError, adapter_for_hf, with_training_fields
 from meshtron.models.hf.convert import check_hf_tensors, read_hf_config
-from meshtron.models.hf.safetensors_io import SafetensorsDir
+from meshtron.models.hf.safetensors_io import SafetensorsDir, SafetensorsError
 
 
 def hf_model_config(hf_dir: str | Path, user_cfg: ModelConfig) -> ModelConfig:
@@ -52,7 +54,10 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> list[str]:
 def init_model_from_hf(hf_dir: str | Path, user_cfg: ModelConfig, tokenizer_vocab_size: int,
                        device: torch.device, seq_length: int = 1) -> tuple[ModelConfig, GPTModel]:
     """(model config, model with the HF weights) for `train.init_from_hf`."""
-    cfg = hf_model_config(hf_dir, user_cfg)
+    try:
+        cfg = hf_model_config(hf_dir, user_cfg)
+    except (ConversionError, SafetensorsError) as e:
+        raise ConfigError(f"train.init_from_hf: {e}") from None
     if seq_length > cfg.max_position_embeddings:
         raise ConfigError(f"data.seq_length: {seq_length} is not allowed; must be <= the max_position_embeddings "
                           f"{cfg.max_position_embeddings} of {hf_dir}")
@@ -60,5 +65,8 @@ def init_model_from_hf(hf_dir: str | Path, user_cfg: ModelConfig, tokenizer_voca
         raise ConfigError(f"train.init_from_hf: the tokenizer has {tokenizer_vocab_size} ids but {hf_dir} has "
                           f"{cfg.vocab_size}; set tokenizer.type hf and tokenizer.path to the model's tokenizer")
     model = GPTModel(cfg, tokenizer_vocab_size)
-    load_hf_weights(model, hf_dir)
+    try:
+        load_hf_weights(model, hf_dir)
+    except (ConversionError, SafetensorsError) as e:
+        raise ConfigError(f"train.init_from_hf: {e}") from None
     return cfg, model.to(device)

@@ -4,10 +4,14 @@ resumes through `checkpoint.load` (weights only, fresh optimizer, step 0)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from meshtron.config import load_config
-from meshtron.models.hf import hf_to_meshtron, meshtron_to_hf
+from meshtron.models.hf import hf_to_meshtron, meshtron_to_hf, supported_architectures
 from meshtron.training import Trainer
 from tests.conftest import TINY
 from tests.models.hf.conftest import build_hf_model, load_hf, transformers
@@ -57,3 +61,40 @@ def test_resume_training_from_a_converted_checkpoint(tmp_path):
     assert logits_diff(trainer.model, load_hf(hf_dir), torch.randint(0, VOCAB, (1, 12))) <= 1e-5
     history = trainer.train()
     assert len(history) == 1 and not history[0].skipped
+
+
+def cli_train_error(hf_dir, tmp_path, capsys) -> tuple[int, list[str]]:
+    """`meshtron train --train.init_from_hf hf_dir` in-process: (exit status, stderr lines)."""
+    from meshtron.cli import main
+
+    flags = [f"--{k}={v}" for k, v in TINY.items() if not k.startswith("model.")]
+    capsys.readouterr()
+    code = main(["train", *flags, f"--train.run_dir={tmp_path / 'run'}", f"--train.init_from_hf={hf_dir}",
+                 "--train.train_iters=1"])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_cli_unsupported_architecture_is_one_line(tmp_path, capsys):
+    hf_dir = llama_dir(tmp_path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["architectures"] = ["BertForMaskedLM"]
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    code, err = cli_train_error(hf_dir, tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: train.init_from_hf: ") and "'BertForMaskedLM'" in err[0]
+    assert all(arch in err[0] for arch in supported_architectures())
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_cli_missing_or_unexpected_tensor_is_one_line(tmp_path, capsys, change):
+    hf_dir = llama_dir(tmp_path)
+    tensors = load_file(hf_dir / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight" if change == "missing" else "model.layers.1.mlp.extra.weight"
+    if change == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    code, err = cli_train_error(hf_dir, tmp_path, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: train.init_from_hf: ") and repr(name) in err[0] and change in err[0]
