@@ -20,6 +20,8 @@ from meshtron.config.fields import ConfigError
 
 SNAPSHOT_FORMAT = 1
 EXEMPT_DECORATORS = ("internal_api", "experimental_api")
+MODULE_MARKER = "__meshtron_api__"  # `__meshtron_api__ = "internal"` at module level exempts the module (package)
+EXEMPT_MODULE_VALUES = ("internal", "experimental")
 DEFAULT_BASELINE = "api/baseline.json"
 
 
@@ -136,13 +138,35 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def _module_stability(module: Any) -> str:
+    """The value of a module-level `__meshtron_api__ = "internal"` (or "experimental"), else ''."""
+    attr = module.members.get(MODULE_MARKER)
+    if attr is None or attr.is_alias or not attr.is_attribute or attr.value is None:
+        return ""
+    try:
+        value = ast.literal_eval(str(attr.value))
+    except (ValueError, SyntaxError):
+        return ""
+    return value if value in EXEMPT_MODULE_VALUES else ""
+
+
+def _in_exempt_module(obj: Any, package: str) -> bool:
+    """Defined in (or is) `<package>.experimental` or a module/package marked internal or experimental."""
+    node = obj
+    while node is not None:
+        if not node.is_alias and node.is_module and (node.path == f"{package}.experimental" or _module_stability(node)):
+            return True
+        node = node.parent
+    return False
+
+
 def is_exempt(obj: Any, package: str, version: Optional[str] = None) -> bool:
-    """Outside the checked API: under `<package>.experimental`, marked internal/experimental, or (given
-    the current `version`) deprecated with a removal version already reached."""
+    """Outside the checked API: under `<package>.experimental` or a module marked internal/experimental,
+    marked internal/experimental by decorator, or (given the current `version`) deprecated with a
+    removal version already reached."""
     target = _target(obj)
-    experimental = f"{package}.experimental"
-    for path in {obj.path, target.path if target is not None else obj.path}:
-        if path == experimental or path.startswith(experimental + "."):
+    for node in {obj, target if target is not None else obj}:
+        if _in_exempt_module(node, package):
             return True
     if target is None or target.is_alias or not (target.is_function or target.is_class):
         return False

@@ -9,9 +9,8 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import griffe  # noqa: F401  (a dev dependency: without it the API gate must fail, not skip)
 import pytest
-
-pytest.importorskip("griffe")
 
 from meshtron.api import deprecated, experimental_api, internal_api, stability  # noqa: E402
 from meshtron.api_check import check, write_baseline  # noqa: E402
@@ -43,6 +42,7 @@ V1 = {
         def change_return(a) -> int: ...
         def drop_return(a) -> int: ...
         def keyword_reorder(*, a=1, b=2): ...
+        def kind_change(a, b=1): ...
         def _private(a): ...
 
         @internal_api
@@ -62,6 +62,12 @@ V1 = {
             def method(self, x): ...
             def _helper(self): ...
 
+        class Base:
+            pass
+
+        class Gadget(Base):
+            pass
+
         @internal_api
         class Plumbing:
             def run(self, x): ...
@@ -74,6 +80,16 @@ V1 = {
     """,
     "experimental/__init__.py": """
         def anything(a): ...
+    """,
+    "wiring.py": """
+        __meshtron_api__ = "internal"
+        def helper(a): ...
+    """,
+    "tools/__init__.py": """
+        __meshtron_api__ = "experimental"
+    """,
+    "tools/runner.py": """
+        def run(a, b=1): ...
     """,
 }
 
@@ -97,6 +113,7 @@ V2 = {
         def change_return(a) -> str: ...
         def drop_return(a): ...
         def keyword_reorder(*, b=2, a=1): ...
+        def kind_change(a, *, b=1): ...
         def _private(): ...
 
         @internal_api
@@ -108,6 +125,12 @@ V2 = {
         class Widget:
             def __init__(self, size: int = 4): ...
             def _helper(self, extra): ...
+
+        class Base:
+            pass
+
+        class Gadget:
+            pass
 
         @internal_api
         class Plumbing:
@@ -121,6 +144,16 @@ V2 = {
     """,
     "experimental/__init__.py": """
         def anything(): ...
+    """,
+    "wiring.py": """
+        __meshtron_api__ = "internal"
+        def helper(): ...
+    """,
+    "tools/__init__.py": """
+        __meshtron_api__ = "experimental"
+    """,
+    "tools/runner.py": """
+        def run(b): ...
     """,
 }
 
@@ -136,6 +169,8 @@ EXPECTED = {
     ("fixpkg.core.Widget.__init__(size)", "default changed", True),
     ("fixpkg.core.Widget.method", "function removed", True),
     ("fixpkg.core.Conf.__init__(third)", "default changed", True),
+    ("fixpkg.core.kind_change(b)", "parameter kind changed", True),
+    ("fixpkg.core.Gadget", "base class removed", True),
     ("fixpkg._impl.reexported(b)", "parameter removed", True),  # public through fixpkg.__all__
     ("fixpkg.core.change_return", "return annotation changed", False),
     ("fixpkg.core.drop_return", "return annotation removed", False),
@@ -191,7 +226,7 @@ def test_command_exit_status_and_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "BREAKING fixpkg.core.change_default(b): default changed: 1 -> 2" in out
     assert "warning  fixpkg.core.change_return: return annotation changed: int -> str" in out
-    assert "12 breaking, 2 warning(s)" in out
+    assert "14 breaking, 2 warning(s)" in out
     # a missing snapshot or an unknown ref is one line, exit 2
     assert main(["check-api", "--package", "fixpkg", "--path", str(v2), "--baseline", str(tmp_path / "no.json")]) == 2
     err = capsys.readouterr().err
