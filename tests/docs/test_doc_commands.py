@@ -138,7 +138,7 @@ def check_command(cmd) -> str:
     if config is not None and not (ROOT / config).is_file():
         return ""  # written by an earlier command of the page: the slow test runs it
     verb = cmd.tail[0]
-    if cmd.kind == "torchrun" and verb == "train":
+    if cmd.kind == "torchrun" and verb in ("train", "distill"):  # rl checks its own batch split (rl.*)
         why = check_layout(namespace, config, cmd.world_size)
         return f"is not a valid layout for {cmd.world_size} processes: {why}" if why else ""
     if verb == "train" and namespace is not None:
