@@ -5,7 +5,7 @@ A command is a line (continued with a trailing backslash) of a fenced block tagg
 must be one of the kinds below, or the docs test fails naming it:
 
     meshtron ... / python -m meshtron ...   parsed by the real CLI parser; run in the slow test
-    torchrun ... -m meshtron <verb> ...     parsed; a `train` line is also planned for its world size
+    torchrun ... -m meshtron <verb> ...     parsed; a `train` or `distill` line is also planned for its world size
                                             (`meshtron plan`: degrees, divisibility, batch sizes)
     python benchmarks/<x>.py ...            the script exists; the slow test runs it with --help
     python -c CODE                          compiles; run in the slow test
