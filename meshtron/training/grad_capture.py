@@ -1,15 +1,23 @@
 """Gradient capture (`--save-wgrads DIR`, `--save-dgrads DIR`, every `grads.interval` steps): the
-gradients of every nn.Linear and nn.Embedding layer, saved for comparing two runs.
+gradients of every nn.Linear and nn.Embedding layer, of the MoE routed experts (GroupedExperts: the
+stacked 3-D w_gate/w_up/w_down and their biases) and of the MoE routers' weights, saved for
+comparing two runs.
 
 - wgrads: each such layer's weight (and bias) gradient after the whole global batch's backward,
   before clipping: the gradient of the loss (mean over the global batch's loss tokens).
 - dgrads: each layer's own input gradient (`NAME.input`; not for embeddings, whose input is token
   ids) and output gradient (`NAME.output`), concatenated over the micro-batches along the batch.
+  Routers give weight gradients only (their output is a tuple of probabilities and indices). The
+  experts' activations are their (rows, hidden) inputs and outputs, rows grouped by expert within
+  each micro-batch.
 
 Saved gathered, so runs with different layouts compare tensor by tensor: a DTensor gradient (TP,
-FSDP, both) is gathered to the full tensor, and activation gradients are concatenated over the
-data-parallel ranks in rank order, which is the global batch order (rank r holds the r-th block
-of every global batch). Rank 0 writes DIR/step_XXXXXXXX.pt ({name: tensor} on the CPU) and
+FSDP, EP, any mix) is gathered to the full tensor (all experts, full width), and activation
+gradients are concatenated over the data-parallel ranks in rank order, which is the global batch
+order (rank r holds the r-th block of every global batch). Under expert parallelism the experts'
+activation rows on a rank are the tokens other ranks routed to its experts, so their gathered
+gradients hold the same rows as one process's but in another order (ranks may also hold different
+numbers of rows): compare those by value sets, not row by row. Rank 0 writes DIR/step_XXXXXXXX.pt ({name: tensor} on the CPU) and
 DIR/meta.json (depth, precision, layout). Pipeline parallelism is not supported; activation
 gradients also not under context parallelism (each rank holds a zig-zag part of the sequence).
 
@@ -31,8 +39,12 @@ from torch.distributed.tensor import DTensor
 
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import RunConfig
+from meshtron.nn.moe.experts import GroupedExperts
+from meshtron.nn.moe.router import TopKRouter
 
-CAPTURED = (nn.Linear, nn.Embedding)
+CAPTURED = (nn.Linear, nn.Embedding, GroupedExperts, TopKRouter)
+# routers return (probs, indices, aux_loss): weight gradients only
+WEIGHTS_ONLY = (TopKRouter,)
 META_FILE = "meta.json"
 
 
@@ -65,6 +77,8 @@ class GradCapture:
         self._dgrads: dict[str, list[torch.Tensor]] = {}
         if self.dgrads_dir is not None:
             for name, module in self.modules:
+                if isinstance(module, WEIGHTS_ONLY):
+                    continue
                 module.register_forward_pre_hook(partial(self._hook_input, name))
                 # before the tensor-parallel output hooks, so a sharded output is still a DTensor here
                 module.register_forward_hook(partial(self._hook_output, name), prepend=True)
@@ -110,9 +124,16 @@ class GradCapture:
         """Concatenate this rank's (batch, ...) gradient with the other data-parallel ranks', in rank order."""
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return t.detach().to("cpu", copy=True)
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.dp_group))]
-        dist.all_gather(parts, t.detach().contiguous(), group=self.dp_group)
-        return torch.cat(parts, dim=0).cpu()
+        # rows may differ per rank (the tokens routed to a rank's experts): pad to the largest
+        size = torch.tensor([t.shape[0]], device=t.device)
+        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(self.dp_group))]
+        dist.all_gather(sizes, size, group=self.dp_group)
+        rows = [int(n) for n in sizes]
+        padded = t.detach().new_zeros(max(rows), *t.shape[1:])
+        padded[:t.shape[0]] = t.detach()
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=self.dp_group)
+        return torch.cat([part[:n] for part, n in zip(parts, rows)], dim=0).cpu()
 
     def _write(self, directory: Path, grads: dict[str, torch.Tensor]) -> None:
         if self.rank != 0:

@@ -121,3 +121,74 @@ def test_profile_records_exactly_the_chosen_steps(tiny_config, tmp_path):
     # 2 micro-batches per step, 2 steps
     assert names.count("forward") == names.count("backward") == 4
     assert names.count("optimizer") == 2 and names.count("forward_backward") == 2
+
+
+# no balancing loss, so the reference objective is the cross entropy alone
+MOE = {"model.layer_pattern": "*E", "model.num_moe_experts": "4", "model.moe_router_topk": "2",
+       "model.moe_aux_loss_coeff": "0"}
+
+
+def test_moe_experts_and_router_are_captured(tiny_config, tmp_path):
+    cfg = tiny_config(**MOE, **{"grads.save_wgrads": str(tmp_path / "w"), "grads.save_dgrads": str(tmp_path / "d"),
+                                "train.train_iters": "1", "checkpoint.save_at_end": "false"})
+    trainer = Trainer(cfg)
+    reference = GPTModel(cfg.model, trainer.tokenizer.vocab_size)
+    reference.load_state_dict(trainer.model.state_dict())
+    batch = BatchLoader(trainer.train_ds, micro_batch_size=2, global_batch_size=4,
+                        seed=cfg.data.seed).next_global_batch()
+    trainer.train()
+
+    experts = reference.layers[1].mixer.experts
+    seen: dict[str, list[torch.Tensor]] = {"input": [], "output": []}
+
+    def keep(module, args, output):   # the experts' input rows and output rows, gradients retained
+        for key, t in (("input", args[0]), ("output", output)):
+            t.retain_grad()
+            seen[key].append(t)
+
+    experts.register_forward_hook(keep)
+    total = sum(float(mb["loss_mask"].sum()) for mb in batch)
+    for mb in batch:
+        logits = reference(mb["input_ids"], PackedContext.for_tokens(mb["input_ids"]))
+        loss = (F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="none")
+                * mb["loss_mask"].flatten()).sum() / total
+        loss.backward()
+    wgrads = load_grads(tmp_path / "w", 1)
+    moe_names = {"layers.1.mixer.router.weight", "layers.1.mixer.experts.w_gate", "layers.1.mixer.experts.w_up",
+                 "layers.1.mixer.experts.w_down"}
+    assert moe_names <= set(wgrads)
+    for name, p in reference.named_parameters():
+        if name in wgrads:
+            torch.testing.assert_close(wgrads[name], p.grad, atol=1e-7, rtol=1e-5, msg=name)
+    dgrads = load_grads(tmp_path / "d", 1)
+    for key in ("input", "output"):
+        torch.testing.assert_close(dgrads[f"layers.1.mixer.experts.{key}"], torch.cat([t.grad for t in seen[key]]),
+                                   atol=1e-9, rtol=1e-5)
+    assert not any(k.startswith("layers.1.mixer.router.") for k in dgrads)
+
+
+@pytest.mark.slow
+def test_expert_parallel_capture_equals_single_process(tmp_path):
+    def dirs(name):
+        return {"grads.save_wgrads": str(tmp_path / name / "w"), "grads.save_dgrads": str(tmp_path / name / "d"),
+                "train.run_dir": str(tmp_path / name), "train.train_iters": "1"}
+
+    capture(0, 1, {**BASE, **MOE, **dirs("single")})
+    run_ranks("tests.training.test_grad_capture:capture", 2, timeout_s=240,
+              overrides={**BASE, **MOE, **dirs("ep2"), "parallel.dp_shard": "2", "parallel.ep": "2",
+                         "parallel.timeout_s": "60"})
+    single, ep = load_grads(tmp_path / "single" / "w"), load_grads(tmp_path / "ep2" / "w")
+    assert set(single) == set(ep) and "layers.1.mixer.experts.w_down" in ep
+    for name in single:
+        assert ep[name].shape == single[name].shape, name   # all 4 experts, gathered over ep
+        torch.testing.assert_close(ep[name], single[name], atol=1e-6, rtol=1e-5, msg=name)
+    single, ep = load_grads(tmp_path / "single" / "d"), load_grads(tmp_path / "ep2" / "d")
+    assert set(single) == set(ep)
+    for name in single:
+        if ".experts." in name:   # the same rows in another order (grouped by expert per rank)
+            assert ep[name].shape == single[name].shape, name
+            torch.testing.assert_close(ep[name].norm(dim=1).sort().values, single[name].norm(dim=1).sort().values,
+                                       atol=1e-8, rtol=1e-4, msg=name)
+            torch.testing.assert_close(ep[name].sum(0), single[name].sum(0), atol=1e-8, rtol=1e-4, msg=name)
+        else:
+            torch.testing.assert_close(ep[name], single[name], atol=1e-8, rtol=1e-4, msg=name)
