@@ -6,6 +6,7 @@ class's `validate()` and raise `ConfigError` naming the field and what is allowe
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -109,7 +110,9 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = option(
         None, "Inner width of the shared experts (one MLP every token passes through); null: none")
     moe_shared_expert_gate: bool = option(False, "Scale the shared experts' output by sigmoid(x w) (Qwen2-MoE)")
-    moe_router_type: str = option("topk", "Router by registered name (meshtron.nn.moe.register_router adds one)")
+    moe_router_type: str = option(
+        "topk", "Router by name: built-in, registered (meshtron.nn.moe.register_router), or an entry point in "
+        "group meshtron.routers")
     moe_router_topk: int = option(2, "Experts per token")
     moe_router_score_function: Literal["softmax", "sigmoid"] = option("softmax", "Router score function")
     moe_router_pre_softmax: bool = option(
@@ -333,6 +336,12 @@ class ModelConfig:
             check("E" not in self.pattern, "model.num_moe_experts", E, "'E' in the layer pattern needs the number of experts")
             return
         check(E >= 1, "model.num_moe_experts", E, "must be >= 1 or null")
+        # the router registry lives with the routers (nn imports config, so the import is lazy)
+        from meshtron.nn.moe.router import router_names, unknown_router_message
+
+        registered, plugins = router_names()
+        if self.moe_router_type not in registered + plugins:
+            raise ConfigError(unknown_router_message(self.moe_router_type))
         check(1 <= self.moe_router_topk <= E, "model.moe_router_topk", self.moe_router_topk,
               f"must be in [1, num_moe_experts={E}]")
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
@@ -628,6 +637,22 @@ class LoggerConfig:
 
     def validate(self) -> None:
         check(self.log_interval >= 1, "logger.log_interval", self.log_interval, "must be >= 1")
+        for name, module in TRACKERS.items():
+            if getattr(self, name):
+                require_tracker(name, module)
+
+
+# The optional tracking sinks and the module each one imports (from the 'track' extra).
+TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
+
+
+def require_tracker(name: str, module: str):
+    """Import and return the module behind `logger.<name>`, or a one-line ConfigError saying how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"logger.{name}: true needs {module} ({e.msg or 'not installed'}); "
+                          f"pip install 'meshtron[track]' or set logger.{name} false") from None
 
 
 @dataclass(kw_only=True)
@@ -743,6 +768,13 @@ class RLConfig:
     is_truncation: Optional[float] = option(2.0, "Truncated importance sampling: weight tokens by "
                                                  "min(p_trainer / p_rollout, C) with C this; null turns it off")
     reward_clip: Optional[float] = option(None, "Clip rewards to [-c, c] before advantages; null leaves them")
+    backend: Literal["engine", "openai", "transformers"] = option(
+        "engine", "Rollouts from: engine (in process, the trained weights), openai (an HTTP server: its own "
+        "weights), transformers (a Hugging Face copy of the trained model, refreshed before each rollout)")
+    openai_base_url: Optional[str] = option(None, "backend openai: the server's base URL, e.g. http://host:8000/v1")
+    openai_model: str = option("", "backend openai: the model name sent with each request")
+    router_replay: bool = option(True, "MoE models, engine backend: training routes each token through the "
+                                       "experts the rollout engine chose")
     engine_max_num_seqs: int = option(256, "Rollout engine: most sequences decoded at once")
     engine_max_num_batched_tokens: int = option(2048, "Rollout engine: token budget of one step")
     engine_kv_cache_memory_mb: float = option(64.0, "Rollout engine: KV-cache memory, in MiB")
@@ -777,6 +809,10 @@ class RLConfig:
         check(self.eval_temperature > 0, "rl.eval_temperature", self.eval_temperature, "must be > 0")
         check(self.eval_samples == 0 or self.eval_k <= self.eval_samples, "rl.eval_k", self.eval_k,
               f"must be <= rl.eval_samples={self.eval_samples}")
+        check(self.backend != "openai" or bool(self.openai_base_url), "rl.openai_base_url", self.openai_base_url,
+              "set it to the server's URL (rl.backend is openai)")
+        check(self.backend == "openai" or self.openai_base_url is None, "rl.openai_base_url", self.openai_base_url,
+              f"is only used with rl.backend=openai (it is {self.backend}): set rl.backend=openai or drop the URL")
         check(self.prompts_per_step * self.group_size >= self.updates_per_step, "rl.updates_per_step",
               self.updates_per_step, "must be <= prompts_per_step * group_size (each mini-batch needs a sequence)")
 

@@ -8,9 +8,10 @@ probabilities, from one of several backends.
 - `OpenAIBackend`: any OpenAI-compatible `/v1/completions` endpoint (meshtron serve, vLLM); token
   ids come from `return_tokens_as_token_ids`, tempered log probs from meshtron's `logprobs_mode`
   extension (sent only when the temperature is not 0 or 1). It samples whatever weights the server holds.
-- `TransformersBackend` (optional): a Hugging Face causal LM's `generate`.
+- `TransformersBackend` (optional): a Hugging Face causal LM's `generate`;
+  `MirroredTransformersBackend` keeps such a model a copy of the trained meshtron model.
 - `CoordinatorBackend`: data-parallel engines behind `meshtron.inference.coordinator`.
-Every backend takes `meshtron.inference.request.SamplingParams`; log probs are those of the
+`build_backend` makes the one `rl.backend` names. Every backend takes `meshtron.inference.request.SamplingParams`; log probs are those of the
 distribution sampled from (temperature applied), the quantity the GRPO ratio needs.
 """
 
@@ -198,3 +199,65 @@ class CoordinatorBackend:
 
     def resume(self) -> None:
         self.client.control("RESUME")
+
+
+class MirroredTransformersBackend(TransformersBackend):
+    """`TransformersBackend` on a Hugging Face copy of a meshtron model (the family `guess_family`
+    picks), whose weights are copied from the trained model before every `generate`: rollouts always
+    come from the current weights, at the price of one copy of the parameters."""
+
+    def __init__(self, model: torch.nn.Module, model_cfg, vocab_size: int, tokenizer):
+        import dataclasses
+
+        import transformers
+
+        from meshtron.models.hf.adapter import guess_family
+
+        self.source = model
+        cfg = dataclasses.replace(model_cfg, vocab_size=vocab_size, make_vocab_size_divisible_by=1)
+        adapter = guess_family(cfg)
+        hf_cfg = adapter.to_hf_config(cfg)
+        self.maps = adapter.tensor_maps(cfg)
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+        hf = transformers.AutoModelForCausalLM.from_config(config).to(next(model.parameters()).device).float()
+        super().__init__(hf.eval(), tokenizer)
+        self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Copy the trained weights into the Hugging Face model (exactly: same dtype, same values)."""
+        source = self.source.state_dict()
+        target = self.model.state_dict()
+        for m in self.maps:
+            if m.hf in target:
+                target[m.hf].copy_(m.to_hf([source[p].detach() for p in m.parts]))
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        self.sync()
+        return super().generate(prompts, sampling)
+
+
+def build_backend(cfg, model: torch.nn.Module, tokenizer, device: torch.device) -> InferenceBackend:
+    """The rollout backend `cfg.rl.backend` names, for `model` (the trained one) and a `RunConfig`."""
+    from meshtron.config.fields import ConfigError
+    from meshtron.inference.config import EngineConfig
+
+    rl = cfg.rl
+    if rl.backend == "openai":
+        return OpenAIBackend(rl.openai_base_url, rl.openai_model, tokenizer)
+    if rl.backend == "transformers":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ConfigError("rl.backend: transformers needs the 'hf' extra: pip install 'meshtron[hf]'") from None
+        from meshtron.models.hf.adapter import ConversionError
+
+        try:
+            vocab = model.state_dict()["embedding.weight"].shape[0]  # padded as the model was built
+            return MirroredTransformersBackend(model, cfg.model, vocab, tokenizer)
+        except ConversionError as e:
+            raise ConfigError(f"rl.backend: transformers cannot mirror this model ({e}); use rl.backend=engine") from None
+    return EngineBackend(model, tokenizer, EngineConfig(
+        block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
+        max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
+        device=device.type, seed=cfg.train.seed))

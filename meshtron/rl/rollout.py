@@ -1,9 +1,9 @@
-"""Grouped rollouts and the evaluation agent.
+"""Grouped rollouts and the evaluation agent, each a Protocol with a shipped implementation.
 
-`generate_groups` samples `group_size` completions of every prompt through an inference backend and
+`RolloutGenerator` (shipped: `GroupedRollouts`, i.e. `generate_groups`) samples `group_size` completions of every prompt through an inference backend and
 scores each with the environment's reward; each completion has its own sampling seed derived from
 (seed, step, prompt, sample), so a run (and a resumed run) draws the same rollouts.
-`evaluate` reports, on held-out problems, the greedy success rate (temperature 0, one sample) and
+`EvaluationAgent` (shipped: `PassAtKEvaluator`, i.e. `evaluate`) reports, on held-out problems, the greedy success rate (temperature 0, one sample) and
 pass@k from n samples at a temperature, with the unbiased estimator 1 - C(n-c, k) / C(n, k).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from meshtron.inference.request import SamplingParams
 from meshtron.rl.environments import Environment, Problem
@@ -81,6 +82,54 @@ def evaluate(backend: InferenceBackend, env: Environment, tokenizer, problems: S
                    for i in range(len(problems))]
         out[f"pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in correct) / len(problems)
     return out
+
+
+@runtime_checkable
+class RolloutGenerator(Protocol):
+    """Makes the rollouts of one GRPO step: exactly `group_size` per problem, groups consecutive and in
+    problem order, each with its prompt/completion ids, the backend's log probs and its reward."""
+
+    group_size: int
+
+    def generate(self, backend: InferenceBackend, env: Environment, tokenizer, problems: Sequence[Problem],
+                 sampling: SamplingParams, seed: int, step: int, first_group: int = 0) -> list[Rollout]: ...
+
+
+@runtime_checkable
+class EvaluationAgent(Protocol):
+    """Scores the policy on held-out problems; returns named numbers (the trainer averages each over
+    ranks weighted by the problems a rank evaluated, so every rank must return the same keys)."""
+
+    def evaluate(self, backend: InferenceBackend, env: Environment, tokenizer,
+                 problems: Sequence[Problem]) -> dict[str, float]: ...
+
+
+@dataclass
+class GroupedRollouts:
+    """The shipped rollout generator: `generate_groups`."""
+
+    group_size: int
+
+    def generate(self, backend: InferenceBackend, env: Environment, tokenizer, problems: Sequence[Problem],
+                 sampling: SamplingParams, seed: int, step: int, first_group: int = 0) -> list[Rollout]:
+        return generate_groups(backend, env, tokenizer, problems, self.group_size, sampling, seed, step, first_group)
+
+
+@dataclass
+class PassAtKEvaluator:
+    """The shipped evaluation agent: `evaluate` (greedy success, mean reward, pass@k)."""
+
+    max_tokens: int
+    num_samples: int = 0
+    k: int = 1
+    temperature: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def evaluate(self, backend: InferenceBackend, env: Environment, tokenizer,
+                 problems: Sequence[Problem]) -> dict[str, float]:
+        return evaluate(backend, env, tokenizer, problems, self.max_tokens, self.num_samples, self.k,
+                        self.temperature, self.seed, self.stop_token_ids)
 
 
 def completion_lengths(rollouts: Sequence[Rollout]) -> list[int]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import copy
 import csv
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,16 +32,15 @@ from meshtron.config.fields import ConfigError
 from meshtron.config.loader import config_to_dict, save_config
 from meshtron.config.schema import RunConfig, SchedulerConfig
 from meshtron.data.tokenizer import build_tokenizer
-from meshtron.inference.config import EngineConfig
 from meshtron.inference.request import SamplingParams
 from meshtron.models.gpt import GPTModel, count_parameters
 from meshtron.parallel.distributed import init_distributed
 from meshtron.rl.environments import build_environment
 from meshtron.rl.grpo import GRPOUpdate, all_reduce, assign_advantages, split_mini_batches, supervised_step
-from meshtron.rl.inference import EngineBackend
+from meshtron.rl.inference import InferenceBackend, build_backend
 from meshtron.rl.loss import token_weights, zero_variance_fraction
 from meshtron.rl.packing import TrainSequence
-from meshtron.rl.rollout import evaluate, generate_groups, pass_at_k
+from meshtron.rl.rollout import EvaluationAgent, GroupedRollouts, PassAtKEvaluator, RolloutGenerator, pass_at_k
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
@@ -50,7 +50,13 @@ CURVE_FIELDS = ("step", "reward_mean", "reward_std", "greedy_success", "pass_at_
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: RunConfig):
+    """The GRPO loop. `backend`, `rollouts` and `evaluator` replace the shipped inference backend
+    (`build_backend` of rl.backend), rollout generator (`GroupedRollouts`) and evaluation agent
+    (`PassAtKEvaluator`); `backend` may be a callable (model, tokenizer) -> backend, to sample the
+    trained model."""
+
+    def __init__(self, cfg: RunConfig, *, backend: Union[InferenceBackend, Callable, None] = None,
+                 rollouts: Optional[RolloutGenerator] = None, evaluator: Optional[EvaluationAgent] = None):
         self.cfg, rl, t = cfg, cfg.rl, cfg.train
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
@@ -65,10 +71,17 @@ class GRPOTrainer:
             load_checkpoint(rl.init_checkpoint, self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, t.train_iters * rl.updates_per_step)
-        self.backend = EngineBackend(self.model, self.tokenizer, EngineConfig(
-            block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
-            max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
-            device=self.device.type, seed=t.seed))
+        if backend is None:
+            backend = build_backend(cfg, self.model, self.tokenizer, self.device)
+        elif callable(backend) and not hasattr(backend, "generate"):
+            backend = backend(self.model, self.tokenizer)
+        self.backend: InferenceBackend = backend
+        self.rollouts: RolloutGenerator = rollouts or GroupedRollouts(rl.group_size)
+        if self.rollouts.group_size != rl.group_size:
+            raise ConfigError(f"rl.group_size: {rl.group_size} differs from the rollout generator's group_size "
+                              f"({self.rollouts.group_size}); make them equal")
+        self.evaluator: EvaluationAgent = evaluator or PassAtKEvaluator(
+            rl.max_new_tokens, rl.eval_samples, rl.eval_k, rl.eval_temperature, seed=t.seed)
         self.ref_model: Optional[torch.nn.Module] = None
         self.step = self.optimizer_steps = self.consumed_prompts = 0
         self.warmup_done = rl.warmup_steps == 0
@@ -124,10 +137,8 @@ class GRPOTrainer:
         self.warmup_done = True
 
     def evaluate(self) -> dict[str, float]:
-        rl = self.cfg.rl
         mine = [self.eval_problems[i] for i in range(self.rank, len(self.eval_problems), self.world_size)]
-        out = evaluate(self.backend, self.env, self.tokenizer, mine, rl.max_new_tokens, rl.eval_samples, rl.eval_k,
-                       rl.eval_temperature, seed=self.cfg.train.seed)
+        out = self.evaluator.evaluate(self.backend, self.env, self.tokenizer, mine)
         keys = sorted(out)
         sums = all_reduce([out[k] * len(mine) for k in keys])
         return {k: v / len(self.eval_problems) for k, v in zip(keys, sums)}
@@ -138,8 +149,11 @@ class GRPOTrainer:
         first = self.consumed_prompts + self.rank * local
         problems = [self.train_problems[(first + i) % len(self.train_problems)] for i in range(local)]
         t0 = time.perf_counter()
-        rollouts = generate_groups(self.backend, self.env, self.tokenizer, problems, rl.group_size, self.sampling(),
-                                   self.cfg.train.seed, self.step, first_group=first)
+        rollouts = self.rollouts.generate(self.backend, self.env, self.tokenizer, problems, self.sampling(),
+                                          self.cfg.train.seed, self.step, first_group=first)
+        if len(rollouts) != len(problems) * rl.group_size:
+            raise RuntimeError(f"the rollout generator returned {len(rollouts)} rollouts for {len(problems)} prompts; "
+                               f"it must return rl.group_size={rl.group_size} per prompt, groups consecutive")
         rollout_s = time.perf_counter() - t0
         rewards = assign_advantages(rollouts, rl.group_size, rl.scale_advantages_by_std, rl.reward_clip)
         self.backend.suspend()  # frees the KV cache; the old weights' keys/values must not be reused
@@ -262,5 +276,5 @@ class GRPOTrainer:
             if new:
                 writer.writerow(CURVE_FIELDS)
             row = [step, metrics["reward_mean"] if metrics else "", metrics["reward_std"] if metrics else "",
-                   evaluation["greedy_success"] if evaluation else "", evaluation.get(k, "") if evaluation else ""]
+                   evaluation.get("greedy_success", "") if evaluation else "", evaluation.get(k, "") if evaluation else ""]
             writer.writerow(row)
