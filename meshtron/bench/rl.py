@@ -4,7 +4,7 @@ a step spent generating, with two baselines measured in the same run on the same
     at a time, contiguous KV cache, `meshtron.inference.simple.generate_tokens`);
   - training: forward + backward of the policy loss over rollouts packed best-fit into rows against
     one rollout per row padded to the longest.
-Medians over the measured steps (the first step is a warm-up and not counted).
+Medians over the measured steps (the first step is a warm-up and not counted, unless it is the only one).
 
     python benchmarks/rl.py [--config configs/grpo-countdown-tiny.yaml] [--steps 6] [--warmup-steps 60]
                             [--naive-prompts 8] [--output benchmarks/results/rl.json]
@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.warmup_steps:  # completions of a warmed-up model look like the recipe's (short, well-formed)
             logger = MetricsLogger(trainer.cfg.logger, Path(tmp), args.warmup_steps, enabled=False)
             trainer.warmup(logger)
-        steps = [trainer.grpo_step() for _ in range(args.steps)][1:]
+        steps = [trainer.grpo_step() for _ in range(args.steps)]
+        steps = steps[1:] or steps  # one step only: measure it, warm-up included
         rl = trainer.cfg.rl
         problems = [trainer.train_problems[i] for i in range(args.naive_prompts)]
         t0 = time.perf_counter()
@@ -140,12 +141,16 @@ def print_table(r: dict[str, Any]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/rl.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/grpo-countdown-tiny.yaml", help="RL recipe to measure")
-    parser.add_argument("--steps", type=int, default=6, help="GRPO steps (the first is not counted)")
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps (the first is not counted unless it is the only one)")
     parser.add_argument("--warmup-steps", type=int, default=60, help="supervised warm-up steps before measuring")
     parser.add_argument("--naive-prompts", type=int, default=8, help="prompts for the engine vs naive comparison")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the recipe's)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result file")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps: {args.steps} is not allowed; must be >= 1")
+    if args.naive_prompts < 1:
+        parser.error(f"--naive-prompts: {args.naive_prompts} is not allowed; must be >= 1")
     result = run(args)
     print_table(result)
     args.output.parent.mkdir(parents=True, exist_ok=True)
