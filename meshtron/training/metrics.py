@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from meshtron.config.schema import LoggerConfig
+from meshtron.config.schema import TRACKERS, LoggerConfig, require_tracker
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -42,17 +42,12 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+        # LoggerConfig.validate already checked these imports; require_tracker repeats it for configs built by hand
         if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("logger.tensorboard needs the 'track' extra: pip install 'meshtron[track]'") from None
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = require_tracker("tensorboard", TRACKERS["tensorboard"]).SummaryWriter(
+                str(self.run_dir / "tensorboard"))
         if cfg.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise RuntimeError("logger.wandb needs the 'track' extra: pip install 'meshtron[track]'") from None
+            wandb = require_tracker("wandb", TRACKERS["wandb"])
             os.environ.setdefault("WANDB_MODE", "offline")
             self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.run_dir), config=config_dict or {})
 
