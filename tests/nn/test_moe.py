@@ -197,6 +197,50 @@ def test_jitter_only_in_training_and_in_input_dtype():
     assert not torch.equal(p1, p3)
 
 
+def test_jitter_noise_is_drawn_in_bf16_within_eps(monkeypatch):
+    """bf16 input, fp32 router: the router's linear layer sees x * noise with the noise drawn in bf16
+    from the global generator, every factor in [1-eps, 1+eps] (eps well above bf16's resolution)."""
+    eps = 0.25
+    cfg = make_cfg(moe_input_jitter_eps=eps)
+    layer = make_layer(cfg).train()
+    seen = []
+    logits = layer.router.logits
+    monkeypatch.setattr(layer.router, "logits", lambda t: seen.append(t) or logits(t))
+    x = (torch.rand(4, 16, cfg.hidden_size) + 0.5).to(torch.bfloat16)  # away from 0: the ratio below is exact-ish
+    torch.manual_seed(123)
+    layer.router(x)
+    (jittered,) = seen
+    assert jittered.dtype == torch.bfloat16
+    torch.manual_seed(123)
+    noise = torch.empty(x.numel() // cfg.hidden_size, cfg.hidden_size, dtype=torch.bfloat16).uniform_(1 - eps, 1 + eps)
+    assert torch.equal(jittered, x.reshape(-1, cfg.hidden_size) * noise)
+    ratio = jittered.float() / x.reshape(-1, cfg.hidden_size).float()
+    slack = 2 * 2.0**-8  # two bf16 roundings (noise, product)
+    assert ratio.min() >= 1 - eps - slack and ratio.max() <= 1 + eps + slack
+    assert ratio.min() < 1 - eps / 2 and ratio.max() > 1 + eps / 2  # the noise spans the interval
+
+
+def test_register_router_checks_the_protocol():
+    from meshtron.nn.moe import ROUTERS, register_router
+
+    class NoForward(torch.nn.Module):
+        pass
+
+    class TwoInputs(torch.nn.Module):
+        def forward(self, x, y):
+            return x, y, x
+
+    class NotAModule:
+        def forward(self, x):
+            return x, x, x
+
+    for cls, match in ((NoForward, "defines no forward"), (TwoInputs, "forward must take one argument x"),
+                       (NotAModule, "must be a torch.nn.Module subclass")):
+        with pytest.raises(TypeError, match=f"router 'bad'.*{match}"):
+            register_router("bad")(cls)
+    assert "bad" not in ROUTERS
+
+
 def test_config_errors_name_the_field():
     from meshtron.config.fields import ConfigError
 

@@ -8,7 +8,7 @@ import torch
 
 from meshtron.config.schema import ModelConfig
 from meshtron.models.gpt import GPTModel
-from meshtron.nn.moe import ReplayMode, recorded_routing, replays, set_replay_mode, set_replay_targets
+from meshtron.nn.moe import ReplayMode, clear_replay, recorded_routing, replays, set_replay_mode, set_replay_targets
 from meshtron.parallel.activation_checkpoint import apply_activation_checkpoint
 
 CFG = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=8,
@@ -102,3 +102,73 @@ def test_replay_backward_serves_a_recomputed_forward_and_errors_when_empty():
     assert torch.equal(replayed, again) and not torch.equal(first, replayed)
     with pytest.raises(RuntimeError, match="no recorded routing left"):
         m(tokens)
+
+
+class _ArgmaxRouter(torch.nn.Module):
+    """A user's top-1 router; with `replayable` it picks through a RouterReplay like the built-in one."""
+
+    def __init__(self, cfg, replayable: bool):
+        super().__init__()
+        from meshtron.nn.moe import RouterReplay
+
+        self.proj = torch.nn.Linear(cfg.hidden_size, cfg.num_moe_experts, bias=False)
+        if replayable:
+            self.replay = RouterReplay()
+
+    def forward(self, x):
+        scores = torch.softmax(self.proj(x.reshape(-1, x.shape[-1])), dim=-1)
+        choose = lambda s: s.argmax(-1, keepdim=True)  # noqa: E731
+        indices = self.replay.select(scores, choose) if hasattr(self, "replay") else choose(scores)
+        return scores.gather(1, indices), indices, scores.new_zeros(())
+
+
+def _register_test_routers():
+    from meshtron.nn.moe import register_router
+
+    @register_router("test_argmax_no_replay")
+    class NoReplay(_ArgmaxRouter):
+        def __init__(self, cfg):
+            super().__init__(cfg, replayable=False)
+
+    @register_router("test_argmax_replay")
+    class WithReplay(_ArgmaxRouter):
+        def __init__(self, cfg):
+            super().__init__(cfg, replayable=True)
+
+
+_register_test_routers()
+
+
+def test_replay_refuses_a_custom_router_without_replay_support():
+    m = model(moe_router_type="test_argmax_no_replay", moe_router_topk=1)
+    for mode in ReplayMode:
+        with pytest.raises(ValueError, match=r"layers\.1\.mixer \(NoReplay\) has no replay support"):
+            set_replay_mode(m, mode)
+    set_replay_mode(m, None)  # routing normally needs nothing
+    assert replays(m) == {}
+
+
+def test_custom_router_with_a_router_replay_records_and_replays():
+    m = model(moe_router_type="test_argmax_replay", moe_router_topk=1)
+    tokens = torch.randint(0, 64, (2, 12))
+    set_replay_mode(m, ReplayMode.RECORD)
+    out, grads = forward_backward(m, tokens)
+    recorded = recorded_routing(m)
+    assert set(recorded) == {"layers.1.mixer.router", "layers.3.mixer.router"}
+    with torch.no_grad():  # free routing would now choose differently
+        for layer in (1, 3):
+            m.layers[layer].mixer.router.proj.weight.neg_()
+    router, target = m.layers[1].mixer.router, recorded["layers.1.mixer.router"][0]
+    x = torch.randn(2, 12, 16)
+    set_replay_mode(m, None)
+    assert not torch.equal(router(x)[1], target)
+    set_replay_targets(m, {"layers.1.mixer.router": [target]})
+    set_replay_mode(m, ReplayMode.REPLAY_FORWARD)
+    assert torch.equal(router(x)[1], target)
+    clear_replay(m)
+    set_replay_targets(m, recorded)
+    with torch.no_grad():
+        for layer in (1, 3):
+            m.layers[layer].mixer.router.proj.weight.neg_()
+    out2, grads2 = forward_backward(m, tokens)
+    assert torch.equal(out, out2) and all(torch.equal(grads[n], grads2[n]) for n in grads)

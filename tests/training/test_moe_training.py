@@ -1,12 +1,13 @@
 """Training an MoE model: the aux losses join the objective with the documented weight, are logged with
 per-layer load and dropped fractions, expert biases follow the observed load, and a router registered
-from this module is used end to end."""
+from this module, or declared as an entry point by an installed package, is used end to end."""
 
 from __future__ import annotations
 
 import copy
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -103,3 +104,85 @@ def test_custom_router_registered_from_a_test_module_trains_end_to_end(tiny_conf
     torch.testing.assert_close((before - router.proj.weight.detach()) / 0.5,
                                expected["layers.3.mixer.router.proj.weight"], atol=2e-6, rtol=1e-4)
     assert result.extra["moe_aux_loss"] > 0
+
+
+PLUGIN = '''
+import torch
+from torch import nn
+
+
+class AllToExpertZero(nn.Module):
+    """Every token to expert 0 with weight 1, no aux loss."""
+
+    def __init__(self, cfg):
+        super().__init__()
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1]).shape[0]
+        return x.new_ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.long, device=x.device), x.new_zeros(())
+'''
+
+
+def write_router_plugin(root):
+    """An installed-looking distribution under `root`: a package and its dist-info with an entry point
+    `all_to_zero` in group meshtron.routers (what `pip install` of a package declaring it leaves)."""
+    (root / "zero_router_plugin").mkdir(parents=True)
+    (root / "zero_router_plugin" / "__init__.py").write_text(PLUGIN)
+    info = root / "zero_router_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zero-router-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[meshtron.routers]\nall_to_zero = zero_router_plugin:AllToExpertZero\n")
+
+
+def test_router_from_an_entry_point_is_used_by_meshtron_train(tmp_path):
+    """`meshtron train` (a fresh process, no script importing the plugin) builds the router an installed
+    package declares; the logged per-layer load shows every token on expert 0."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import TINY
+
+    write_router_plugin(tmp_path / "site")
+    flags = {**TINY, **MOE, "model.moe_router_type": "all_to_zero", "model.moe_router_topk": "1",
+             "train.train_iters": "2", "train.run_dir": str(tmp_path / "run"), "checkpoint.save_at_end": "false"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.getcwd()]),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "meshtron", "train", *[f"--{k}={v}" for k, v in flags.items()]],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    moe = [r for r in records if r["kind"] == "moe"]
+    assert moe and all(r["moe_load_L3"] == [1.0, 0.0, 0.0, 0.0] for r in moe)
+    # the same config with the built-in router spreads the load (in process: cheaper)
+    from meshtron.config import load_config
+
+    flags.update({"model.moe_router_type": "topk", "train.run_dir": str(tmp_path / "run2")})
+    Trainer(load_config(overrides=flags), echo=False).train()
+    records = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["moe_load_L3"][0] < 1.0 for r in records if r["kind"] == "moe")
+
+
+def test_unknown_router_error_lists_built_in_and_entry_point_names(tmp_path, monkeypatch, capsys):
+    from meshtron.cli import main
+
+    write_router_plugin(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    capsys.readouterr()
+    assert main(["train", "--model.num_moe_experts=4", "--model.moe_router_type=nope",
+                 f"--train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model.moe_router_type: 'nope' is not allowed"), err
+    assert "topk" in err[0] and "all_to_zero" in err[0] and "meshtron.routers" in err[0]
+
+
+def test_broken_entry_point_is_one_config_line(tmp_path, monkeypatch):
+    from meshtron.config.fields import ConfigError
+    from meshtron.nn.moe.router import router_class
+
+    write_router_plugin(tmp_path / "site")
+    (tmp_path / "site" / "zero_router_plugin-0.1.dist-info" / "entry_points.txt").write_text(
+        "[meshtron.routers]\nnot_a_module = zero_router_plugin:Missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(ConfigError, match=r"model.moe_router_type: entry point not_a_module = zero_router_plugin:Missing"):
+        router_class("not_a_module")

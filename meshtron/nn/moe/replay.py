@@ -1,6 +1,7 @@
 """Router replay: record each MoE layer's top-k expert choices and make a later forward use them.
 
-Every built-in router owns a `RouterReplay`. Its mode is one of
+Every built-in router owns a `RouterReplay` (a custom router may too; `set_replay_mode` refuses a
+model with a MoE layer whose router has none, rather than record nothing). Its mode is one of
     None            route normally
     RECORD          route normally and append the chosen indices (tokens, k) to `recorded`
     REPLAY_FORWARD  take the next entry of `targets` (in forward order) instead of choosing, and keep
@@ -94,6 +95,16 @@ def replays(model: nn.Module) -> dict[str, RouterReplay]:
 
 
 def set_replay_mode(model: nn.Module, mode: Optional[ReplayMode]) -> None:
+    """Put every router in `mode`; refuse (before changing any) if a MoE layer's router cannot replay."""
+    from meshtron.nn.moe.layer import MoELayer  # layer -> router -> replay: import here
+
+    if mode is not None:
+        for name, module in model.named_modules():
+            router = getattr(module, "router", None) if isinstance(module, MoELayer) else None
+            if router is not None and not isinstance(getattr(router, "replay", None), RouterReplay):
+                raise ValueError(f"router replay: the router of {name or 'the model'} ({type(router).__name__}) "
+                                 "has no replay support; give it `self.replay = RouterReplay()` and pick its "
+                                 "indices with `self.replay.select(scores, choose)` (see docs/moe.md)")
     for replay in replays(model).values():
         replay.mode = mode
 

@@ -2,9 +2,12 @@
 
 A router is any module with `forward(x) -> (probs, indices, aux_loss)` (the `Router` protocol):
 x (batch, seq, hidden) -> probs (tokens, k), indices (tokens, k) long, aux_loss a scalar already
-weighted by its coefficients (tokens = batch * seq, row-major). Routers are built by name from
-`ROUTERS` (`model.moe_router_type`); `register_router("name")` adds a user's own class, which takes
-the `ModelConfig`.
+weighted by its coefficients (tokens = batch * seq, row-major). Routers are built by name
+(`model.moe_router_type`) from `ROUTERS`: the built-in ones, classes registered in-process with
+`register_router("name")`, and plugins: an installed distribution that declares an entry point
+`name = package.module:Class` in group `meshtron.routers` is found by name and imported only when a
+config asks for that name, so `meshtron train` and torchrun use it without a script. A router class
+takes the `ModelConfig`.
 
 The built-in `TopKRouter` with logits l = x W^T (fp32 when moe_router_dtype is fp32):
     softmax, top-k after softmax (pre_softmax): s = softmax(l); pick top-k of s; p = s at the picks
@@ -24,8 +27,10 @@ scores normalised over all experts (softmax, or sigmoid / its row sum):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Optional, Protocol, runtime_checkable
+from importlib import metadata
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -38,25 +43,80 @@ from meshtron.nn.moe.replay import RouterReplay
 
 @runtime_checkable
 class Router(Protocol):
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    """What a MoE layer calls: x (batch, seq, hidden) -> (probs (tokens, k), indices (tokens, k) long,
+    aux_loss scalar). Optional: `replay` (a RouterReplay, for router replay) and `last_losses`
+    (named detached loss terms for the logs)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 ROUTERS: dict[str, Callable[[ModelConfig], nn.Module]] = {}
+ENTRY_POINT_GROUP = "meshtron.routers"
+
+
+def check_router_class(cls: Any, name: str) -> None:
+    """Raise a one-line TypeError unless `cls` is an nn.Module class whose forward takes x alone."""
+    where = f"router {name!r} ({getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)!s})"
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"{where} must be a torch.nn.Module subclass taking the ModelConfig")
+    forward = getattr(cls, "forward", None)
+    if forward is None or forward is nn.Module.forward:
+        raise TypeError(f"{where} defines no forward(x) -> (probs, indices, aux_loss)")
+    try:
+        inspect.signature(forward).bind(None, None)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: forward must take one argument x (batch, seq, hidden) and return "
+                        "(probs, indices, aux_loss)") from None
 
 
 def register_router(name: str):
     """Class decorator: make a router selectable as `model.moe_router_type: name`."""
     def add(cls):
+        check_router_class(cls, name)
         ROUTERS[name] = cls
         return cls
     return add
 
 
+def _plugins() -> dict[str, metadata.EntryPoint]:
+    """Entry points of group `meshtron.routers` in the installed distributions (nothing imported)."""
+    found: dict[str, metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def router_names() -> tuple[list[str], list[str]]:
+    """(registered names, names only an entry point provides so far), each sorted."""
+    return sorted(ROUTERS), sorted(set(_plugins()) - set(ROUTERS))
+
+
+def unknown_router_message(name: str) -> str:
+    registered, plugins = router_names()
+    return (f"model.moe_router_type: {name!r} is not allowed; registered routers: {', '.join(registered)}; "
+            f"entry points in group {ENTRY_POINT_GROUP}: {', '.join(plugins) or 'none'} (declare one in your "
+            f"package, or call meshtron.nn.moe.register_router)")
+
+
+def router_class(name: str) -> Callable[[ModelConfig], nn.Module]:
+    """The class registered as `name`, importing its entry point the first time it is asked for."""
+    if name in ROUTERS:
+        return ROUTERS[name]
+    ep = _plugins().get(name)
+    if ep is None:
+        raise ConfigError(unknown_router_message(name))
+    try:
+        cls = ep.load()
+        check_router_class(cls, name)
+    except Exception as e:  # an import error or a bad class in the user's package: one line, not a traceback
+        raise ConfigError(f"model.moe_router_type: entry point {name} = {ep.value} (group {ENTRY_POINT_GROUP}) "
+                          f"cannot be used: {type(e).__name__}: {e}") from None
+    ROUTERS[name] = cls
+    return cls
+
+
 def build_router(cfg: ModelConfig) -> nn.Module:
-    if cfg.moe_router_type not in ROUTERS:
-        raise ConfigError(f"model.moe_router_type: {cfg.moe_router_type!r} is not allowed; registered routers: "
-                          f"{', '.join(sorted(ROUTERS))} (add one with meshtron.nn.moe.register_router)")
-    return ROUTERS[cfg.moe_router_type](cfg)
+    return router_class(cfg.moe_router_type)(cfg)
 
 
 # ---- pieces every router may use -------------------------------------------------------------------
