@@ -221,6 +221,9 @@ class ModelConfig:
                   self.num_attention_heads, f"must divide hidden_size={self.hidden_size} (or set model.kv_channels)")
         check(self.num_attention_heads % self.num_kv_heads == 0, "model.num_query_groups", self.num_query_groups,
               f"must divide num_attention_heads={self.num_attention_heads}")
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size"):
+            v = getattr(self, name)
+            check(v is None or v >= 1, f"model.{name}", v, "must be >= 1 or null")
         check(self.max_position_embeddings >= 1, "model.max_position_embeddings", self.max_position_embeddings, "must be >= 1")
         check(self.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by",
               self.make_vocab_size_divisible_by, "must be >= 1")
@@ -272,6 +275,7 @@ class ModelConfig:
 
     def _validate_positions(self) -> None:
         check(0.0 < self.rotary_percent <= 1.0, "model.rotary_percent", self.rotary_percent, "must be in (0, 1]")
+        check(self.rotary_base > 0, "model.rotary_base", self.rotary_base, "must be > 0 (RoPE theta, e.g. 10000)")
         if self.uses_rope:
             field = "model.qk_pos_emb_head_dim" if self.multi_latent_attention else "model.rotary_percent"
             check(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0, field, self.rotary_dim,
@@ -590,6 +594,7 @@ class DataConfig:
 
     def validate(self) -> None:
         check(self.seq_length >= 1, "data.seq_length", self.seq_length, "must be >= 1")
+        check(self.seed >= 0, "data.seed", self.seed, "must be >= 0")
         self.split_weights()
         if self.format == "sft":
             check(bool(self.paths) and not any(_is_number(p) for p in self.paths), "data.paths", self.paths,
@@ -879,6 +884,8 @@ class RunConfig:
               f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
         check(self.data.seq_length <= m.max_position_embeddings, "data.seq_length", self.data.seq_length,
               f"must be <= model.max_position_embeddings={m.max_position_embeddings}")
+        check(self.scheduler.min_lr <= self.optimizer.lr, "scheduler.min_lr", self.scheduler.min_lr,
+              f"must be <= optimizer.lr={self.optimizer.lr} (decay ends at min_lr)")
         p = self.parallel
         others = p.dp_replicate * p.cp * p.tp * p.pp
         if p.dp_shard != -1 or world_size % others == 0:

@@ -64,6 +64,15 @@ BAD = [
     ({"train.no_such_field": "1"}, "train.no_such_field: unknown field"),
     ({"nosection.x": "1"}, "nosection: unknown section"),
     ({"logger.tensorboard": "maybe"}, "logger.tensorboard: expected true or false"),
+    ({"model.ffn_hidden_size": "-5"}, "model.ffn_hidden_size: -5 is not allowed; must be >= 1 or null"),
+    ({"model.kv_channels": "0"}, "model.kv_channels: 0 is not allowed; must be >= 1 or null"),
+    ({"model.vocab_size": "-1"}, "model.vocab_size: -1 is not allowed; must be >= 1 or null"),
+    ({"model.num_query_groups": "-2"}, "model.num_query_groups: -2 is not allowed; must be >= 1 or null"),
+    ({"model.rotary_base": "-1"}, "model.rotary_base: -1.0 is not allowed; must be > 0"),
+    ({"model.rotary_base": "0"}, "model.rotary_base: 0.0 is not allowed; must be > 0"),
+    ({"data.seed": "-1"}, "data.seed: -1 is not allowed; must be >= 0"),
+    ({"scheduler.min_lr": "0.01", "optimizer.lr": "0.001"},
+     "scheduler.min_lr: 0.01 is not allowed; must be <= optimizer.lr=0.001"),
 ]
 
 
