@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.nn.context import PackedContext
+from meshtron.nn.moe.replay import clear_replay
 from meshtron.parallel.clip import clip_grad_norm_
 from meshtron.rl.loss import (
     PolicyLossConfig,
@@ -28,6 +29,7 @@ from meshtron.rl.loss import (
     token_weights,
 )
 from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
+from meshtron.rl.replay import replay_routing
 from meshtron.rl.rollout import Rollout
 
 SUM_STATS = ("tokens", "clipped_low", "clipped_high", "ratio", "is_weight", "kl", "entropy", "logprob_gap")
@@ -67,7 +69,8 @@ def forward_log_probs(model: torch.nn.Module, mb: dict[str, torch.Tensor], tempe
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p of each label, entropy of each position) under softmax(logits / temperature), (rows, L)."""
     ctx = PackedContext.for_tokens(mb["input_ids"], mb["document_ids"], mb["position_ids"])
-    logits = model(mb["input_ids"], ctx)
+    with replay_routing(model, mb):  # MoE: the experts the rollout engine chose, when recorded
+        logits = model(mb["input_ids"], ctx)
     log_probs = token_log_probs(logits, mb["labels"], temperature)
     if entropy_grad:
         return log_probs, token_entropy(logits, temperature)
@@ -101,8 +104,8 @@ def train_sequences(rollouts: Sequence[Rollout], aggregation: str, max_new_token
     lengths = [len(r.completion_ids) for r in rollouts]
     total_tokens, total_seqs = all_reduce([float(sum(lengths)), float(len(lengths))])
     weights = token_weights(lengths, aggregation, max_new_tokens, int(total_tokens), int(total_seqs))
-    return [TrainSequence(r.prompt_ids + r.completion_ids, len(r.prompt_ids), w, r.advantage, r.log_probs)
-            for r, w in zip(rollouts, weights)]
+    return [TrainSequence(r.prompt_ids + r.completion_ids, len(r.prompt_ids), w, r.advantage, r.log_probs,
+                          r.routing) for r, w in zip(rollouts, weights)]
 
 
 class GRPOUpdate:
@@ -157,6 +160,7 @@ class GRPOUpdate:
             grad_norms.append(clip_grad_norm_(list(self.model.parameters()), clip))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            clear_replay(self.model)  # entries kept for a backward recompute (none without checkpointing)
         values = all_reduce([sums[k] for k in SUM_STATS] + [loss_total])
         sums, loss_total = dict(zip(SUM_STATS, values[:-1])), values[-1]
         mx = all_reduce([extremes["is_weight_max"]], dist.ReduceOp.MAX if world_group() else None)[0]

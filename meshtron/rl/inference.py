@@ -17,6 +17,7 @@ distribution sampled from (temperature applied), the quantity the GRPO ratio nee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ class Generation:
     log_probs: list[float]  # one per completion token
     text: str
     finish_reason: Optional[str] = None
+    routing: Optional[dict] = None  # MoE, engine with record_routing: router name -> (positions, k) expert ids
 
 
 class InferenceBackend(Protocol):
@@ -54,30 +56,44 @@ def _per_prompt(sampling: Union[SamplingParams, list[SamplingParams]], n: int) -
 
 
 class EngineBackend:
-    """Rollouts from an `LLMEngine` built on the trained model (its parameters, not a copy)."""
+    """Rollouts from an `LLMEngine` built on the trained model (its parameters, not a copy). With
+    `record_routing` (MoE models) each generation carries the experts the engine chose for each of
+    its positions, for router replay in training (`meshtron.rl.replay`)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, config=None):
+    def __init__(self, model: torch.nn.Module, tokenizer, config=None, record_routing: bool = False):
+        from meshtron.inference.config import EngineConfig
         from meshtron.inference.engine import LLMEngine
+        from meshtron.rl.replay import EngineRoutingRecorder, routing_engine_config
 
         self.model = model
         was_training = model.training
+        if record_routing:
+            config = routing_engine_config(config or EngineConfig())
         self.engine = LLMEngine(model, tokenizer, config)
         model.train(was_training)
+        self.recorder = EngineRoutingRecorder(self.engine, model) if record_routing else None
 
     def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
         if self.engine.is_suspended:
             self.engine.resume()
         was_training = self.model.training
         self.model.eval()
+        recording = self.recorder.recording() if self.recorder is not None else contextlib.nullcontext()
         try:
-            outputs = self.engine.generate(list(prompts), _per_prompt(sampling, len(prompts)))
+            with recording:
+                outputs = self.engine.generate(list(prompts), _per_prompt(sampling, len(prompts)))
         finally:
             self.model.train(was_training)
         failed = [o for o in outputs if o.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"rollout {failed[0].req_id} failed in the engine: {failed[0].error}")
-        return [Generation(o.prompt_token_ids, list(o.token_ids), [lp.log_prob for lp in o.log_probs], o.text,
+        gens = [Generation(o.prompt_token_ids, list(o.token_ids), [lp.log_prob for lp in o.log_probs], o.text,
                            o.finish_reason) for o in outputs]
+        if self.recorder is not None:
+            for o, g in zip(outputs, gens):
+                g.routing = self.recorder.routing(o.req_id, len(g.prompt_token_ids) + len(g.token_ids) - 1)
+            self.recorder.forget()
+        return gens
 
     def suspend(self) -> None:
         """Free the KV cache and forget the prefix cache (its keys/values came from the old weights)."""
@@ -257,7 +273,9 @@ def build_backend(cfg, model: torch.nn.Module, tokenizer, device: torch.device) 
             return MirroredTransformersBackend(model, cfg.model, vocab, tokenizer)
         except ConversionError as e:
             raise ConfigError(f"rl.backend: transformers cannot mirror this model ({e}); use rl.backend=engine") from None
+    from meshtron.rl.replay import has_routers
+
     return EngineBackend(model, tokenizer, EngineConfig(
         block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
         max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
-        device=device.type, seed=cfg.train.seed))
+        device=device.type, seed=cfg.train.seed), record_routing=rl.router_replay and has_routers(model))

@@ -7,7 +7,8 @@ token carry the sequence's weight (the loss aggregation, see `loss.token_weights
 and the engine's log prob of that token; prompt positions and padding carry weight 0. Every row has
 `document_ids` and restarted `position_ids`, so attention never crosses from one sequence into
 another and each sequence sees the positions it had when it was generated. Placement uses the data
-pipeline's `best_fit_decreasing`. The warm-up (supervised) packs demonstrations the same way.
+pipeline's `best_fit_decreasing`. Rollouts of an MoE model also carry the engine's routing, placed
+the same way (`meshtron.rl.replay`). The warm-up (supervised) packs demonstrations the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from meshtron.data.packing import best_fit_decreasing
+from meshtron.rl.replay import ROUTING_PREFIX, pack_routing
 
 FIELDS = ("input_ids", "labels", "document_ids", "position_ids", "weights", "advantages", "rollout_log_probs")
 
@@ -31,6 +33,7 @@ class TrainSequence:
     weight: float
     advantage: float = 0.0
     rollout_log_probs: Optional[list[float]] = None  # one per completion token
+    routing: Optional[dict[str, np.ndarray]] = None  # MoE router name -> (len(token_ids) - 1, k) expert ids
 
 
 def pack_sequences(sequences: Sequence[TrainSequence], pack_length: int, pad_id: int) -> list[dict[str, np.ndarray]]:
@@ -67,15 +70,23 @@ def pack_sequences(sequences: Sequence[TrainSequence], pack_length: int, pad_id:
             if s.rollout_log_probs is not None:
                 assert len(s.rollout_log_probs) == n - (s.num_prompt - 1), "one rollout log prob per completion token"
                 row["rollout_log_probs"][first:at + n] = s.rollout_log_probs
+            pack_routing(row, s.routing, at, n, pack_length)
             at += n
         row["position_ids"][at:] = np.arange(pack_length - at)
         rows.append(row)
+    routed = next((s.routing for s in sequences if s.routing is not None), None)
+    if routed is not None:  # a row of empty sequences only still needs (padding) tables
+        for row in rows:
+            for name, table in routed.items():
+                row.setdefault(ROUTING_PREFIX + name, np.tile(np.arange(table.shape[1], dtype=np.int64),
+                                                              (pack_length, 1)))
     return rows
 
 
 def micro_batches(rows: list[dict[str, np.ndarray]], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
     """Rows stacked into (micro_batch_size, pack_length) tensors (the last micro-batch may be smaller)."""
-    return [{name: torch.from_numpy(np.stack([r[name] for r in rows[k:k + micro_batch_size]])) for name in FIELDS}
+    names = list(FIELDS) + sorted(k for k in (rows[0] if rows else {}) if k.startswith(ROUTING_PREFIX))
+    return [{name: torch.from_numpy(np.stack([r[name] for r in rows[k:k + micro_batch_size]])) for name in names}
             for k in range(0, len(rows), micro_batch_size)]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 from meshtron.inference.request import SamplingParams
 from meshtron.rl.environments import Environment, Problem
@@ -30,6 +30,7 @@ class Rollout:
     text: str
     reward: float
     advantage: float = 0.0
+    routing: Optional[dict] = None  # MoE: router name -> (positions, k) experts the engine chose
 
 
 def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
@@ -52,8 +53,8 @@ def generate_groups(backend: InferenceBackend, env: Environment, tokenizer, prob
     rollouts = []
     for k, gen in enumerate(generations):
         i = k // group_size
-        rollouts.append(Rollout(problems[i], first_group + i, k % group_size, prompt_ids[i], gen.token_ids, gen.log_probs, gen.text,
-                                float(env.get_reward(problems[i], gen.text))))
+        rollouts.append(Rollout(problems[i], first_group + i, k % group_size, prompt_ids[i], gen.token_ids, gen.log_probs,
+                                gen.text, float(env.get_reward(problems[i], gen.text)), routing=gen.routing))
     return rollouts
 
 
