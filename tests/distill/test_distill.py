@@ -139,6 +139,63 @@ def test_hybrid_moe_teacher_with_its_own_pattern(tiny_config, tmp_path):
     assert result.loss == pytest.approx(expected, rel=1e-5)   # kl alone, weight 1, no label term
 
 
+def test_teacher_config_gives_the_teacher_its_architecture(tiny_config, teacher_checkpoint, tmp_path):
+    """teacher.config wins over the config saved with the checkpoint: a YAML describing the teacher's
+    weights (3 layers, width 48, pattern '*-*-*-', unlike the student's 2 layers of 32) with another
+    RoPE base and norm epsilon (no weight changes) builds that model, and step 1's KL is the KL
+    computed here from a model built from the YAML and the student."""
+    path = tmp_path / "teacher.yaml"
+    path.write_text("model:\n  num_layers: 3\n  hidden_size: 48\n  num_attention_heads: 4\n  num_query_groups: 2\n"
+                    "  ffn_hidden_size: 96\n  max_position_embeddings: 64\n  rotary_base: 500.0\n"
+                    "  norm_epsilon: 0.01\n")
+    trainer = DistillTrainer(tiny_config(**{"teacher.load": teacher_checkpoint, "teacher.config": str(path),
+                                            "train.train_iters": "1", "checkpoint.save_at_end": "false"}))
+    t = trainer.teacher_cfg
+    assert (t.pattern, t.hidden_size, t.rotary_base, t.norm_epsilon) == ("*-*-*-", 48, 500.0, 0.01)
+    assert trainer.cfg.model.pattern == "*-*-" and trainer.cfg.model.hidden_size == 32
+    vocab = trainer.tokenizer.vocab_size
+    teacher = GPTModel(t, vocab)
+    teacher.load_state_dict(trainer.teacher.state_dict())
+    saved = GPTModel(load_config(overrides=TEACHER).model, vocab)   # the checkpoint's own architecture
+    saved.load_state_dict(trainer.teacher.state_dict())
+    student = GPTModel(trainer.cfg.model, vocab)
+    student.load_state_dict(trainer.model.state_dict())
+    cfg = trainer.cfg.train
+    batch = BatchLoader(trainer.train_ds, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+                        seed=trainer.cfg.data.seed).next_global_batch()
+    tokens = sum(float(mb["loss_mask"].sum()) for mb in batch)
+    expected = sum(kl_to_teacher(student, teacher, [mb], vocab) * float(mb["loss_mask"].sum()) for mb in batch) / tokens
+    other = sum(kl_to_teacher(student, saved, [mb], vocab) * float(mb["loss_mask"].sum()) for mb in batch) / tokens
+    assert abs(other - expected) > 1e-3   # the YAML's architecture changes the numbers
+    assert trainer.train()[0].extra["distill_kl"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_cli_distill_runs_and_logs_every_term(teacher_checkpoint, tmp_path):
+    import yaml
+
+    from meshtron.cli import main
+    from tests.conftest import TINY
+
+    config: dict = {}
+    for key, value in {**TINY, "train.train_iters": "2", "train.run_dir": str(tmp_path / "run"),
+                       "checkpoint.save_at_end": "false"}.items():
+        section, field = key.split(".")
+        config.setdefault(section, {})[field] = yaml.safe_load(value)
+    config["teacher"] = {"load": teacher_checkpoint}
+    config["distill"] = {"losses": ["kl", "reverse_kl", "topk_kl", "hidden_mse"], "weights": [1.0, 0.5, 0.25, 2.0],
+                         "label_weight": 0.1, "top_k": 8, "layer_pairs": ["-1:-1"]}
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["distill", "--config", str(path)]) == 0
+    train = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        weighted = (0.1 * r["lm_loss"] + r["distill_kl"] + 0.5 * r["distill_reverse_kl"]
+                    + 0.25 * r["distill_topk_kl"] + 2 * r["distill_hidden_mse"])
+        assert r["loss"] == pytest.approx(weighted, rel=1e-6) and all(r[k] > 0 for k in ("distill_kl",
+                                                                                         "distill_reverse_kl"))
+
+
 def test_distillation_resumes_exactly(tiny_config, teacher_checkpoint, tmp_path):
     """The projections and the optimizer state come back from the checkpoint; the teacher from teacher.load."""
     common = {"teacher.load": teacher_checkpoint, "distill.losses": "kl,hidden_mse", "distill.layer_pairs": "0:2",
@@ -191,9 +248,9 @@ def distill_and_report(rank: int, world_size: int, overrides: dict[str, str]) ->
 
 
 @pytest.mark.parametrize("layout", [
-    "fsdp2", pytest.param("tp2_sp", marks=pytest.mark.slow)])
+    "fsdp2", pytest.param("tp2_sp", marks=pytest.mark.slow), pytest.param("cp2", marks=pytest.mark.slow)])
 def test_distillation_layout_matches_single_process(layout, teacher_checkpoint, tmp_path):
-    extra = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2_sp": {"parallel.tp": "2"}}[layout]
+    extra = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2_sp": {"parallel.tp": "2"}, "cp2": {"parallel.cp": "2"}}[layout]
     overrides = {**LAYOUT_BASE, "teacher.load": teacher_checkpoint}
     ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
     results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=240,
