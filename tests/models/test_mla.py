@@ -10,8 +10,9 @@ import torch
 from meshtron.config import ModelConfig
 from meshtron.models import GPTModel
 from meshtron.nn.context import PackedContext
+from tests.models.hf.pin import import_transformers
 
-transformers = pytest.importorskip("transformers", minversion="5.0")  # rope_parameters, dtype=
+transformers = import_transformers()
 
 LAYERS = 2
 

@@ -12,6 +12,7 @@ import torch
 from meshtron.config import ModelConfig
 from meshtron.nn.rope_scaling import build_rotary, rotary_inv_freq, yarn_attention_factor
 from meshtron.nn.rotary import RotaryEmbedding, apply_rotary
+from tests.models.hf.pin import import_transformers
 
 YARN = dict(position_embedding_type="yarn", kv_channels=32, num_attention_heads=2, hidden_size=64,
             rotary_base=10000.0, yarn_rotary_scaling_factor=8.0, yarn_original_max_position_embeddings=256,
@@ -86,7 +87,7 @@ def test_llama3_frequencies_closed_form():
 
 
 def test_frequencies_match_transformers():
-    pytest.importorskip("transformers", minversion="5.0")  # rope_parameters
+    import_transformers()
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.0")  # rope_parameters, dtype=
+from tests.models.hf.pin import import_transformers
+
+transformers = import_transformers()
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64, initializer_range=0.2)
