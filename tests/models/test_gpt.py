@@ -160,3 +160,35 @@ def test_scaled_init_of_output_projections():
     std_out = model.layers[0].mixer.wo.weight.std().item()
     assert abs(std_in - 0.02) < 1e-3
     assert abs(std_out - 0.02 / 4.0) < 3e-4  # 1/sqrt(2 * 8 attention layers)
+
+
+def test_nope_model_equals_naive_causal_attention_without_rotation():
+    """position_embedding_type none: the forward is embedding -> [x + attn(norm x)] (naive causal
+    attention over unrotated q, k) -> [x + mlp(norm x)] -> norm -> head; with RoPE it is not."""
+    from tests.nn.test_attention_variants import naive_attention, projections
+
+    torch.manual_seed(0)
+    cfg = small(position_embedding_type="none", layer_pattern="*-*-")
+    model = GPTModel(cfg, 64).double().eval()
+    assert model.rotary is None and model.position_embedding is None
+    tokens = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        logits = model(tokens)
+        h = model.embedding(tokens)
+        for layer in model.layers:
+            x = layer.norm(h)
+            if layer.symbol == "*":
+                attn = layer.mixer
+                q, k, v = projections(attn, x)
+                out = naive_attention(q, k, v, scale=attn.head_dim ** -0.5)
+                h = h + attn.wo(out.reshape(*x.shape[:2], -1))
+            else:
+                h = h + layer.mixer(x, None)
+        expected = model.output(model.final_norm(h))
+    torch.testing.assert_close(logits, expected, atol=1e-12, rtol=0)
+    # the same weights with RoPE give other logits: the reference above would catch a stray rotation
+    torch.manual_seed(0)
+    roped = GPTModel(small(position_embedding_type="rope", layer_pattern="*-*-"), 64).double().eval()
+    roped.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (roped(tokens) - logits).abs().max() > 1e-5  # vs the 1e-12 agreement above
