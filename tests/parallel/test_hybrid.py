@@ -67,3 +67,18 @@ def test_hybrid_checkpoint_reshards(tmp_path):
     resumed = Trainer(load_config(overrides={**common, "checkpoint.load": str(tmp_path / "ck"),
                                              "train.run_dir": str(tmp_path / "resumed")}, world_size=1)).train()
     assert [r.loss for r in resumed] == pytest.approx([r.loss for r in ref][3:], abs=1e-6, rel=0)
+
+
+# Mamba + MoE: pipeline stages 'M*E' and '-ME' (2 even stages) each hold a Mamba mixer and an MoE layer
+HYBRID_MOE = {**BASE, "model.layer_pattern": "M*E-ME", "model.num_moe_experts": "4", "model.moe_router_topk": "2"}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    return train_and_evaluate(0, 1, {**HYBRID_MOE, "train.run_dir": str(tmp_path_factory.mktemp("moe_ref"))})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [{"parallel.tp": "2"}, {"parallel.pp": "2"}], ids=["tp2", "pp2"])
+def test_mamba_moe_hybrid_matches_single_process(extra, moe_reference, tmp_path):
+    check_against(run_layout(2, {**HYBRID_MOE, **extra}, tmp_path), moe_reference)
