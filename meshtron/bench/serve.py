@@ -9,6 +9,10 @@ uniformly) runs through
 Greedy decoding with eos ignored, so each request produces exactly its drawn number of tokens and
 every system does the same useful work; output tokens/s counts only those tokens. Per request:
 TTFT = first token time - arrival, TPOT = (finish - first token) / (tokens - 1); p50 and p99.
+With --repeats N each system runs N times in the same process and the run of median wall time is
+reported (the machine may be shared). On CUDA (--device cuda) it also measures decode tokens/s of
+one request against the memory-bandwidth limit (every weight read once per token: bandwidth / weight
+bytes), with and without CUDA graphs (--cuda-graphs); on a CPU those columns are n/a.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from meshtron.models import GPTModel
 
 DEFAULT_OUTPUT = Path("benchmarks/results/serve.json")
 GOAL_RATIO = 3.0
+# HBM bandwidth in GB/s used for the batch-1 decode limit: H200 4800, H100 SXM 3350, A100 80GB 2039.
+DEFAULT_BANDWIDTH_GBPS = 4800.0
 
 
 @dataclass
@@ -56,7 +62,28 @@ def build_model(args: argparse.Namespace) -> GPTModel:
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
                       ffn_hidden_size=args.ffn, max_position_embeddings=args.max_len, make_vocab_size_divisible_by=1,
                       init_method_std=0.1)
-    return GPTModel(cfg, 262).eval()  # the byte tokenizer's vocabulary
+    model = GPTModel(cfg, 262).eval()  # the byte tokenizer's vocabulary
+    return model.to(device=args.device, dtype=getattr(torch, args.dtype))
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available; use --device cpu")
+    return name
+
+
+def graph_settings(args: argparse.Namespace) -> list[bool]:
+    """CUDA graphs off/on for the engine runs; always off on a CPU (graphs are CUDA only)."""
+    if args.device != "cuda":
+        return [False]
+    return {"on": [True], "off": [False], "both": [False, True]}[args.cuda_graphs]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
@@ -74,15 +101,22 @@ def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
             "ttft_mean_ms": statistics.fmean(ttft) * 1e3}
 
 
-def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int) -> tuple[list[Timing], float, list[list[int]]]:
+def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False):
     from meshtron.data.tokenizer import ByteTokenizer
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
+
+    return LLMEngine(model, ByteTokenizer(), EngineConfig(
+        device=args.device, max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=16, kv_cache_memory_mb=256, cuda_graphs=cuda_graphs,
+        cuda_graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(max_num_seqs, 1))))
+
+
+def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int,
+               cuda_graphs: bool = False) -> tuple[list[Timing], float, list[list[int]]]:
     from meshtron.inference.request import SamplingParams
 
-    engine = LLMEngine(model, ByteTokenizer(), EngineConfig(
-        device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=16, kv_cache_memory_mb=256))
+    engine = build_engine(model, args, max_num_seqs, cuda_graphs)
     start = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
            for p, m in zip(prompts, outputs)]
@@ -114,7 +148,7 @@ class _StepClock:
 def run_static_hf(hf_dir: Path, prompts, outputs, args) -> tuple[list[Timing], float, list[list[int]]]:
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, args.dtype)).eval().to(args.device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     timings: list[Optional[Timing]] = [None] * len(prompts)
@@ -131,8 +165,10 @@ def run_static_hf(hf_dir: Path, prompts, outputs, args) -> tuple[list[Timing], f
         longest = max(outputs[i] for i in index)
         clock = _StepClock()
         with torch.inference_mode():
+            input_ids, mask = input_ids.to(args.device), mask.to(args.device)
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=longest,
                                  min_new_tokens=longest, do_sample=False, logits_processor=LogitsProcessorList([clock]))
+        _sync(args.device)
         for row, i in enumerate(index):
             n = outputs[i]
             tokens[i] = out[row, width:width + n].tolist()
@@ -145,10 +181,11 @@ def run_naive(model: GPTModel, prompts, outputs) -> tuple[list[Timing], float, l
     from meshtron.nn.context import KVCacheContext
 
     timings, tokens = [], []
+    device = next(model.parameters()).device
     start = time.perf_counter()
     for prompt, n in zip(prompts, outputs):
         ctx = KVCacheContext(batch_size=1, max_len=len(prompt) + n)
-        x, out, first = torch.tensor([prompt]), [], 0.0
+        x, out, first = torch.tensor([prompt], device=device), [], 0.0
         for k in range(n):
             next_id = model(x, ctx.begin(x))[:, -1].argmax(-1)
             ctx.advance()
@@ -185,6 +222,45 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def weight_bytes(model: GPTModel) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_batch1(model: GPTModel, args) -> list[dict[str, Any]]:
+    """Decode tokens/s of one request (prompt 16 tokens, --decode-tokens tokens), after the first
+    token, against the bandwidth limit; CUDA only (the rows say n/a elsewhere)."""
+    from meshtron.inference.request import SamplingParams
+
+    limit = args.bandwidth_gbps * 1e9 / weight_bytes(model)
+    if args.device != "cuda":
+        return [{"cuda_graphs": "n/a", "decode_tokens_per_s": None, "bandwidth_limit_tokens_per_s": None,
+                 "fraction_of_limit": None, "note": f"n/a on {args.device}: the limit is a GPU memory-bandwidth bound"}]
+    rows = []
+    for graphs in graph_settings(args):
+        engine = build_engine(model, args, max_num_seqs=1, cuda_graphs=graphs)
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+        engine.generate([list(range(16))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        engine.add_request(list(range(1, 17)), params)
+        engine.step()  # the prefill and the first token
+        _sync(args.device)
+        start, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        _sync(args.device)
+        rate = steps / (time.perf_counter() - start)
+        rows.append({"cuda_graphs": "on" if graphs else "off", "decode_tokens_per_s": rate,
+                     "bandwidth_limit_tokens_per_s": limit, "fraction_of_limit": rate / limit,
+                     "graph_forwards": engine.runner.num_forwards["graph"]})
+    return rows
+
+
+def median_run(runs: list[tuple[list[Timing], float, list[list[int]]]]):
+    """The run of median wall time (the lower middle one for an even count) and every run's wall."""
+    ordered = sorted(runs, key=lambda r: r[1])
+    return ordered[(len(ordered) - 1) // 2], [r[1] for r in runs]
+
+
 def print_table(results: list[dict[str, Any]], notes: list[str]) -> None:
     print(f"{'system':<28}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
     for r in results:
@@ -195,7 +271,17 @@ def print_table(results: list[dict[str, Any]], notes: list[str]) -> None:
         print(note)
 
 
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+def print_decode(rows: list[dict[str, Any]], args) -> None:
+    print(f"batch-1 decode ({args.decode_tokens} tokens; limit = {args.bandwidth_gbps:.0f} GB/s / weight bytes):")
+    for r in rows:
+        if r["decode_tokens_per_s"] is None:
+            print(f"  cuda graphs n/a: tok/s n/a, limit n/a ({r['note']})")
+        else:
+            print(f"  cuda graphs {r['cuda_graphs']}: {r['decode_tokens_per_s']:.0f} tok/s, limit "
+                  f"{r['bandwidth_limit_tokens_per_s']:.0f} tok/s ({r['fraction_of_limit']:.1%})")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
@@ -206,7 +292,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "so the engine can run more requests at once than a static batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
-    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive", "decode"])
+    p.add_argument("--repeats", type=int, default=1, help="runs of each system; the run of median wall time is reported")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (bfloat16/float16 are for GPUs; ~400x slower on these CPUs)")
+    p.add_argument("--cuda-graphs", default="both", choices=["on", "off", "both"],
+                   help="CUDA only: engine and batch-1 decode runs with graphs on, off or both")
+    p.add_argument("--bandwidth-gbps", type=float, default=DEFAULT_BANDWIDTH_GBPS,
+                   help="memory bandwidth for the batch-1 decode limit (H200 4800, H100 SXM 3350)")
+    p.add_argument("--decode-tokens", type=int, default=256, help="tokens of the batch-1 decode measurement")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -215,34 +310,52 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(DEFAULT_OUTPUT))
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    prompts, outputs = build_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
-    model = build_model(args)
-    results, notes, tokens = [], [], {}
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    for name in ("repeats", "num_requests", "batch_size", "decode_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
+    if args.max_len < max(args.prompt_len) + max(args.output_len, default=0):
+        raise SystemExit(f"--max-len: {args.max_len} is below the longest prompt + output "
+                         f"({max(args.prompt_len) + max(args.output_len)}); raise it")
+    args.device = resolve_device(args.device)
+    return args
+
+
+def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens, walls) -> None:
+    def record(name: str, run) -> list[list[int]]:
+        (timings, wall, out), all_walls = median_run([run() for _ in range(args.repeats)])
+        results.append(summarize(name, timings, wall))
+        walls[name] = all_walls
+        return out
+
     if "engine" not in args.skip:
-        for k, max_num_seqs in enumerate([args.batch_size, *args.engine_max_num_seqs]):
-            timings, wall, engine_tokens = run_engine(model, prompts, outputs, args, max_num_seqs)
-            tokens.setdefault("engine", engine_tokens)
-            results.append(summarize(f"meshtron engine s={max_num_seqs}", timings, wall))
-            if k and engine_tokens != tokens["engine"]:
-                notes.append(f"engine s={max_num_seqs}: greedy tokens differ from s={args.batch_size}")
+        for graphs in graph_settings(args):
+            suffix = " graphs" if graphs else ""
+            for max_num_seqs in [args.batch_size, *args.engine_max_num_seqs]:
+                engine_tokens = record(f"meshtron engine s={max_num_seqs}{suffix}", lambda s=max_num_seqs, g=graphs:
+                                       run_engine(model, prompts, outputs, args, s, g))
+                tokens.setdefault("engine", engine_tokens)
+                if engine_tokens != tokens["engine"]:
+                    notes.append(f"engine s={max_num_seqs}{suffix}: greedy tokens differ from the first engine run")
     if "static" not in args.skip:
         with tempfile.TemporaryDirectory(prefix="meshtron-bench-serve-") as tmp:
             hf_dir = convert_to_hf(model, Path(tmp))
             if hf_dir is None:
                 notes.append("static batching skipped: transformers is not installed")
             else:
-                timings, wall, tokens["static"] = run_static_hf(hf_dir, prompts, outputs, args)
-                results.append(summarize(f"transformers static b={args.batch_size}", timings, wall))
+                tokens["static"] = record(f"transformers static b={args.batch_size}",
+                                          lambda: run_static_hf(hf_dir, prompts, outputs, args))
     if "naive" not in args.skip:
         n = args.naive_requests or len(prompts)
-        timings, wall, tokens["naive"] = run_naive(model, prompts[:n], outputs[:n])
-        results.append(summarize("naive one-at-a-time" + (f" (first {n})" if n < len(prompts) else ""), timings, wall))
+        name = "naive one-at-a-time" + (f" (first {n})" if n < len(prompts) else "")
+        tokens["naive"] = record(name, lambda: run_naive(model, prompts[:n], outputs[:n]))
+
+
+def summarize_ratios(results, notes, tokens, args) -> dict[str, Any]:
     by_name: dict[str, dict[str, Any]] = {}
     for r in results:  # the first engine row is the one at the static batch's concurrency
         by_name.setdefault(r["system"].split()[0], r)
@@ -264,10 +377,28 @@ def main(argv: Optional[list[str]] = None) -> int:
             summary[f"greedy_agreement_engine_{other}"] = agreement(tokens["engine"][:k], tokens[other])
             notes.append(f"requests with identical greedy tokens, engine vs {other}: "
                          f"{summary[f'greedy_agreement_engine_{other}']:.0%}")
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prompts, outputs = build_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+    model = build_model(args)
+    results: list[dict[str, Any]] = []
+    notes: list[str] = []
+    tokens: dict[str, list[list[int]]] = {}
+    walls: dict[str, list[float]] = {}
+    run_systems(model, prompts, outputs, args, results, notes, tokens, walls)
+    summary = summarize_ratios(results, notes, tokens, args)
+    decode = decode_batch1(model, args) if "decode" not in args.skip else []
     print_table(results, notes)
+    if decode:
+        print_decode(decode, args)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "machine": platform.platform(), "torch": torch.__version__,
-                               "results": results, "summary": summary}, indent=2) + "\n")
+                               "date": time.strftime("%Y-%m-%d", time.gmtime()), "results": results,
+                               "walls_s": walls, "summary": summary, "decode_batch1": decode}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
