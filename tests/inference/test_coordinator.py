@@ -1,6 +1,7 @@
 """The data-parallel coordinator with real processes on 127.0.0.1: a coordinator process, echo worker
 processes and a client here. Round-robin placement, PAUSE/UNPAUSE/SUSPEND/RESUME/STOP barriers with
-acknowledgements, a killed worker's requests re-sent (none lost), 1,000 requests through 2 workers."""
+acknowledgements, a killed worker's requests re-sent (none lost), 1,000 requests through 2 workers; real engine workers (`python -m
+meshtron.inference.coordinator_worker --checkpoint`) answering as the in-process engine does."""
 
 from __future__ import annotations
 
@@ -142,3 +143,48 @@ def test_bad_signal_is_refused(cluster):
     with pytest.raises(CoordinatorError, match="signal 'NAP'"):
         client.control("NAP")
     client.close()
+
+
+@pytest.mark.slow
+def test_real_engine_workers_from_a_checkpoint(tmp_path):
+    """Two `python -m meshtron.inference.coordinator_worker --checkpoint ...` processes serving a tiny
+    checkpoint: requests alternate between them and each answer equals the in-process engine's."""
+    from meshtron.inference.config import EngineConfig
+    from meshtron.inference.engine import LLMEngine
+    from meshtron.inference.request import SamplingParams
+    from tests.inference.helpers import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    cluster = Cluster(heartbeat_timeout_s=30.0)  # a busy machine may delay heartbeats during a step
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for name in ("e0", "e1"):
+        proc = subprocess.Popen([sys.executable, "-m", "meshtron.inference.coordinator_worker", "--address",
+                                 cluster.address, "--checkpoint", ckpt, "--name", name, "--num-blocks", "64"],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cluster.procs.append(proc)
+        cluster.workers[name] = proc
+    client = CoordinatorClient(cluster.address, timeout_s=300)
+    try:
+        cluster.wait_workers(client, 2, timeout_s=300)
+        prompts = [[1, 2, 3], [40, 41, 42, 43], [7], [100, 90, 80, 70, 60], "hello", [5, 5, 5, 5, 5, 5]]
+        params = [SamplingParams(max_tokens=6, temperature=0.0, return_log_probs=True),
+                  SamplingParams(max_tokens=5, temperature=0.8, seed=11, return_log_probs=True)]
+        payloads = [{"prompt": p, "sampling": {k: v for k, v in vars(params[i % 2]).items() if not k.startswith("_")}}
+                    for i, p in enumerate(prompts)]
+        responses = client.request_many(payloads, timeout_s=300)
+        assert all(r.error is None for r in responses), [r.error for r in responses]
+        workers = [r.worker for r in responses]
+        assert set(workers) == {"e0", "e1"} and all(workers[i] != workers[i + 1] for i in range(len(workers) - 1))
+        local = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_blocks=64)).generate(
+            prompts, [params[i % 2] for i in range(len(prompts))])
+        for r, o in zip(responses, local):
+            assert r.result["token_ids"] == list(o.token_ids) and r.result["text"] == o.text
+            assert r.result["prompt_token_ids"] == list(o.prompt_token_ids)
+            assert max(abs(a - b.log_prob) for a, b in zip(r.result["log_probs"], o.log_probs)) <= 1e-5
+        assert client.control("STOP")["num_workers"] == 0
+        for name in ("e0", "e1"):
+            assert cluster.workers[name].wait(timeout=60) == 0
+    finally:
+        client.close()
+        cluster.close()
