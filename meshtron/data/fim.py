@@ -5,7 +5,8 @@ prefix / middle / suffix and, with probability fim_rate, rewritten as
     PSM: <prefix> prefix <suffix> suffix <middle> middle
     SPM: <prefix> <suffix> suffix <middle> prefix middle      (with probability fim_spm_rate)
 The three sentinels would lengthen the document, so the end of the suffix is cut by as many tokens:
-every document keeps its length and position, and the sample keeps seq_length + 1 tokens. With
+every document keeps its length and position, and the sample keeps seq_length + 1 tokens (no padding
+is ever inserted; `pad_id` only names the token for callers that pad). With
 `fim_split_sample`, a chosen document is first split into fragments on that token and each
 fragment is rearranged with probability fim_fragment_rate (e.g. one fragment per file of a repo).
 """
@@ -97,6 +98,7 @@ class GPTFIMDataset:
         return apply_fim(self.base.window(i), np.random.default_rng([self.seed, i]), self.spec)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        sample = self.base.to_sample(self.window(i))
-        sample["loss_mask"][sample["labels"] == self.spec.pad_id] = 0.0
-        return sample
+        # FIM keeps every document's length by cutting the suffix, so it adds no padding: the loss mask is
+        # the base sample's (real padding only). Masking labels equal to the pad id here would also drop
+        # every eod label when pad and eod share an id (tokenizer.allow_ambiguous_pad_tokens).
+        return self.base.to_sample(self.window(i))

@@ -120,3 +120,19 @@ def test_fim_dataset_is_seeded_per_sample(tmp_path):
     assert changed > 0
     padded = fim.base.to_sample(np.array([5, 6, PAD, PAD]))
     assert padded["loss_mask"].tolist() == [1, 0, 0]
+
+
+def test_eod_labels_stay_in_the_loss_when_pad_is_eod(tmp_path):
+    """allow_ambiguous_pad_tokens: pad id == eod id. FIM pads nothing, so every position, eod labels
+    included, stays in the loss."""
+    rng = np.random.default_rng(6)
+    docs = [d + [EOD] for d in random_docs(rng, 30, 40, min_len=5)]
+    indexed = write_indexed(tmp_path / "d", docs, vocab_size=2000)
+    base = GPTDataset(indexed, (0, 30), seq_length=32, seed=0, eod_id=EOD, pad_id=EOD, cache_dir=str(tmp_path / "c"))
+    fim = GPTFIMDataset(base, FIMSpec(prefix_id=P, middle_id=M, suffix_id=S, pad_id=EOD, eod_id=EOD, rate=1.0), seed=3)
+    eod_labels = 0
+    for i in range(len(fim)):
+        sample = fim[i]
+        eod_labels += int((sample["labels"] == EOD).sum())
+        assert sample["loss_mask"].tolist() == [1.0] * 32
+    assert eod_labels > 0
