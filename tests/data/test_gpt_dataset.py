@@ -38,6 +38,19 @@ def reference_sample_idx(sizes, doc_idx, seq_length):
     return rows
 
 
+def reference_shuffle_idx(num_samples, num_first, rng, separate_last):
+    """Sample order: one shuffle of every sample, or (separate last epoch) the samples of the full epochs
+    shuffled first and those of the last one shuffled after them, by the generator the documents used."""
+    if not separate_last:
+        order = np.array(list(range(num_samples)))
+        rng.shuffle(order)
+        return order.tolist()
+    first, last = np.array(list(range(num_first))), np.array(list(range(num_first, num_samples)))
+    rng.shuffle(first)
+    rng.shuffle(last)
+    return first.tolist() + last.tolist()
+
+
 def stream_of(ds, doc_idx):
     return [tok for d in doc_idx for tok in ds[d].tolist()]
 
@@ -52,7 +65,7 @@ def test_one_epoch_matches_reference(tmp_path, seq_length):
     assert [tuple(r) for r in ds.sample_idx.tolist()] == reference_sample_idx(indexed.sizes, ref_doc_idx, seq_length)
     stream = stream_of(indexed, ref_doc_idx)
     assert len(ds) == (len(stream) - 1) // seq_length
-    assert sorted(ds.shuffle_idx.tolist()) == list(range(len(ds)))
+    assert ds.shuffle_idx.tolist() == reference_shuffle_idx(len(ds), len(ds), ref_rng, False)
     for i in range(len(ds)):
         j = int(ds.shuffle_idx[i])
         window = stream[j * seq_length:(j + 1) * seq_length + 1]
@@ -98,10 +111,12 @@ def test_epochs_and_separate_last_epoch(tmp_path, last_epoch_fraction, separate)
     num_first = ((num_epochs - 1) * tokens - 1) // seq_length
     per_epoch = (tokens - 1) // seq_length
     assert ((num_samples - num_first) < 0.8 * per_epoch) == separate
-    ref_doc_idx, _ = reference_doc_idx((0, 12), num_epochs, 9, separate)
+    ref_doc_idx, ref_rng = reference_doc_idx((0, 12), num_epochs, 9, separate)
     assert ds.doc_idx.tolist() == ref_doc_idx
     assert np.bincount(ds.doc_idx, minlength=12).tolist() == [num_epochs] * 12
     assert [tuple(r) for r in ds.sample_idx.tolist()] == reference_sample_idx(indexed.sizes, ref_doc_idx, seq_length)
+    total = (num_epochs * tokens - 1) // seq_length
+    assert ds.shuffle_idx.tolist() == reference_shuffle_idx(total, num_first, ref_rng, separate)
     if separate:  # samples of the full epochs come first, in their own permutation
         assert sorted(ds.shuffle_idx[:num_first].tolist()) == list(range(num_first))
     stream = stream_of(indexed, ref_doc_idx)
