@@ -26,8 +26,12 @@ class EngineConfig:
     max_model_len: Optional[int] = option(None, "Longest prompt + output; null means model.max_position_embeddings")
     seed: int = option(0, "Seed for requests that give none (each request gets its own generator)")
     device: str = option("auto", "Where to run: auto, cpu, cuda")
-    cuda_graphs: bool = option(False, "CUDA only: replay captured graphs for decode batches (eager otherwise)")
-    cuda_graph_batch_sizes: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64), "CUDA graphs: decode batch buckets")
+    cuda_graphs: bool = option(False, "CUDA only: replay captured graphs for steps a bucket holds (eager otherwise)")
+    cuda_graph_batch_sizes: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64),
+                                                     "CUDA graphs: buckets of the decode request count")
+    cuda_graph_token_sizes: tuple[int, ...] = option((64, 128, 256, 512),
+                                                     "CUDA graphs: buckets of the token count of steps with prefills")
+    cuda_graph_prefill_sizes: tuple[int, ...] = option((1, 2, 4), "CUDA graphs: buckets of the prefill request count")
     layout: str = option("varlen", "Batch layout: varlen (one packed row; attention per decode bucket and per "
                                    "prefill chunk), auto (cheapest by estimate: packed or rows of S tokens), "
                                    "packed (one row, one attention) or padded (one row per request)")
@@ -47,8 +51,8 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
         need(self.device in ("auto", "cpu", "cuda"), "device", self.device, "choose auto, cpu or cuda")
         need(self.layout in self.LAYOUTS, "layout", self.layout, f"choose one of {self.LAYOUTS}")
-        need(all(b >= 1 for b in self.cuda_graph_batch_sizes), "cuda_graph_batch_sizes",
-             self.cuda_graph_batch_sizes, "every bucket must be >= 1")
+        for name in GRAPH_BUCKET_FIELDS:
+            need(all(b >= 1 for b in getattr(self, name)), name, getattr(self, name), "every bucket must be >= 1")
 
     def resolve(self, model_max_len: int, bytes_per_token: int, recurrent_state: bool = False) -> EngineConfig:
         """A copy with max_model_len and num_blocks filled in and cross-field rules checked.
@@ -87,6 +91,9 @@ class EngineConfig:
         return self.num_blocks * self.block_size
 
 
+GRAPH_BUCKET_FIELDS = ("cuda_graph_batch_sizes", "cuda_graph_token_sizes", "cuda_graph_prefill_sizes")
+
+
 def engine_config_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(EngineConfig))
 
@@ -103,7 +110,7 @@ def add_engine_arguments(parser, skip: tuple[str, ...] = ()) -> None:
         if f.type in ("bool", bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_text)
-        elif f.name == "cuda_graph_batch_sizes":
+        elif f.name in GRAPH_BUCKET_FIELDS:
             parser.add_argument(flag, dest=f.name, default=f.default, help=help_text + "; comma-separated",
                                 type=lambda s: tuple(int(x) for x in s.split(",") if x))
         else:

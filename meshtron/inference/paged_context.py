@@ -130,16 +130,16 @@ def _segments(i: int, c: ScheduledChunk, bs: int, max_len: Optional[int]) -> lis
 
 def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout: str,
                       segment_len: Optional[int] = None, num_rows: Optional[int] = None,
-                      num_key_blocks: Optional[int] = None) -> PagedBatch:
+                      num_key_blocks: Optional[int] = None, num_tokens: Optional[int] = None) -> PagedBatch:
     """Lay out the step's chunks as `layout`: 'packed', or 'rows' of at most `segment_len` tokens
-    (None: one row per sequence). num_rows / num_key_blocks pad the rows further (fixed shapes for
-    CUDA graphs)."""
+    (None: one row per sequence). For fixed shapes (CUDA graphs) num_rows / num_key_blocks pad the
+    rows further; in the packed layout num_tokens / num_key_blocks pad its one row."""
     bs = cache.block_size
     if layout == "packed":
         seqs = [p for i, c in enumerate(chunks) for p in _segments(i, c, bs, None)]
         groups = [seqs]
-        num_q = sum(len(s[2]) for s in seqs)
-        num_kb = sum(len(s[4]) for s in seqs)
+        num_q = max(num_tokens or 0, sum(len(s[2]) for s in seqs))
+        num_kb = max(num_key_blocks or 0, sum(len(s[4]) for s in seqs))
     else:
         seqs = [p for i, c in enumerate(chunks) for p in _segments(i, c, bs, segment_len)]
         groups = [[s] for s in seqs] + [[] for _ in range((num_rows or len(seqs)) - len(seqs))]
