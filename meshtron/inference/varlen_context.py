@@ -44,6 +44,18 @@ class AttentionGroup:
     query_positions: torch.Tensor  # (rows, q)
     contiguous: Optional[tuple[int, int]] = None  # (lo, hi) when the queries are one slice of the row
     _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _biases: dict[tuple[Optional[int], torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def bias(self, block_size: int, window_size: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias (0 where allowed, -inf elsewhere), built once per step and
+        shared by every layer: CPU attention kernels take a float bias about twice as fast as a
+        boolean mask (which they convert on every call). Every row keeps key 0, so none is all -inf."""
+        key = (window_size, dtype)
+        if key not in self._biases:
+            allowed = self.mask(block_size, window_size)
+            self._biases[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._biases[key]
 
     def mask(self, block_size: int, window_size: Optional[int]) -> torch.Tensor:
         """Boolean (rows, 1, q, keys): causal (so never past the sequence's end) and within the window.
@@ -95,12 +107,11 @@ class VarlenPagedContext:
             flat = g.key_blocks.reshape(-1)
             k_g, v_g = (c.index_select(0, flat).view(rows, blocks * bs, *c.shape[2:]).transpose(1, 2)
                         for c in (k_cache, v_cache))  # (rows, kv_heads, keys, d)
-            mask = g.mask(bs, window_size)
             if sink_logits is None:
-                o = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=mask, scale=scale,
-                                                   enable_gqa=heads != k_g.shape[1])
+                o = F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=g.bias(bs, window_size, q.dtype),
+                                                   scale=scale, enable_gqa=heads != k_g.shape[1])
             else:
-                o = sink_attention(q_g, k_g, v_g, mask, sink_logits, scale=scale)
+                o = sink_attention(q_g, k_g, v_g, g.mask(bs, window_size), sink_logits, scale=scale)
             if g.contiguous is not None:
                 out[:, :, lo:hi] = o
             else:
