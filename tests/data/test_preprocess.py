@@ -4,11 +4,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
+from meshtron.data.corpus import write_stdlib_jsonl
 from meshtron.data.documents import iter_documents, iter_shard_documents, plan_shards
+from meshtron.data.indexed import IndexedDataset
 from meshtron.data.preprocess import PreprocessOptions, preprocess
 from meshtron.data.tokenizer import build_tokenizer, tokenizer_config_for
 
@@ -126,15 +133,6 @@ def test_killed_cli_run_resumes(tmp_path, bpe_dir):
     """A real `meshtron preprocess` process SIGKILLed once its first shard is finished, then run again
     with the same arguments: the result equals the tokenizer's output document by document, and the
     shards finished before the kill are kept, not redone."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from meshtron.data.corpus import write_stdlib_jsonl
-    from meshtron.data.indexed import IndexedDataset
-
     corpus = tmp_path / "stdlib.jsonl"
     write_stdlib_jsonl(corpus, max_documents=40)
     out, work = tmp_path / "out", tmp_path / "out.shards"
