@@ -296,6 +296,8 @@ class ModelConfig:
               self.yarn_original_max_position_embeddings, "must be >= 1")
         check(self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0, "model.yarn_beta_slow", self.yarn_beta_slow,
               "yarn_beta_fast and yarn_beta_slow must be > 0")
+        for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+            check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "must be >= 0")
 
     def _validate_attention(self) -> None:
         if self.softmax_scale is not None:
@@ -449,7 +451,7 @@ class OptimizerConfig:
         check(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", self.adam_beta2, "must be in [0, 1)")
         check(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "must be > 0")
         check(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
-        check(self.sgd_momentum >= 0, "optimizer.sgd_momentum", self.sgd_momentum, "must be >= 0")
+        check(0 <= self.sgd_momentum < 1, "optimizer.sgd_momentum", self.sgd_momentum, "must be in [0, 1)")
 
 
 @dataclass(kw_only=True)

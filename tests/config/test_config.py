@@ -71,6 +71,8 @@ BAD = [
     ({"model.rotary_base": "-1"}, "model.rotary_base: -1.0 is not allowed; must be > 0"),
     ({"model.rotary_base": "0"}, "model.rotary_base: 0.0 is not allowed; must be > 0"),
     ({"data.seed": "-1"}, "data.seed: -1 is not allowed; must be >= 0"),
+    ({"model.yarn_mscale": "-0.5"}, "model.yarn_mscale: -0.5 is not allowed; must be >= 0"),
+    ({"optimizer.sgd_momentum": "1"}, "optimizer.sgd_momentum: 1.0 is not allowed; must be in [0, 1)"),
     ({"scheduler.min_lr": "0.01", "optimizer.lr": "0.001"},
      "scheduler.min_lr: 0.01 is not allowed; must be <= optimizer.lr=0.001"),
 ]
