@@ -132,14 +132,25 @@ class LLMEngine:
         self._detokenizers[request.req_id] = Detokenizer(self.tokenizer, request.sampling_params.stop)
         self.scheduler.add_request(request)
 
-    def abort(self, req_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is not running."""
+    def abort(self, req_id: str, error: Optional[str] = None) -> bool:
+        """Stop a request now and free its blocks; False if it is not running. `error` tells the
+        request's client why (its final output carries it)."""
         with self._lock:
             request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
             if request is None:
                 return False
+            request.error = error
             self._emit([self._finish_output(request)])
             return True
+
+    def abort_all(self, error: str) -> int:
+        """Abort every request, queued or running, with `error` (a drain that ran out of time); -> how many."""
+        with self._lock:
+            self._drain_inbox()
+            req_ids = list(self.scheduler.requests)
+            for req_id in req_ids:
+                self.abort(req_id, error)
+            return len(req_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or (self._suspended is not None and bool(self._suspended))

@@ -5,8 +5,9 @@ Endpoints: /v1/completions and /v1/chat/completions (streaming as server-sent ev
 (meshtron's own: queue lengths and free KV blocks). Every response carries a request id (the
 client's X-Request-Id header when given). Bad parameters are answered 400 with a message naming the
 parameter. A client that disconnects aborts its requests, which frees their KV blocks at once.
-SIGTERM stops accepting connections, lets in-flight requests finish for up to the drain timeout,
-then aborts what is left and stops.
+SIGTERM starts a drain: /health and new requests answer 503 ("draining") while in-flight requests
+run on for up to the drain timeout; what is left then is aborted, and its clients get an error
+saying so (an SSE `error` event, or a 503 body); then the server closes its sockets and stops.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from meshtron.inference.request import InvalidRequestError
 from meshtron.inference.request import Request as EngineRequest
 
 DISCONNECT_POLL_S = 0.25
+DRAIN_POLL_S = 0.05
+# After the drain, the time uvicorn gives open connections to write their last bytes.
+FLUSH_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -164,6 +168,8 @@ def _install_completion_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             return _sse(_completion_chunks(run, body, response_id, echoes), response_id)
         outputs = await run.collect()
+        if (failed := _failed(outputs, response_id)) is not None:
+            return failed
         choices = [{"index": i, "text": echoes[i] + o.text, "finish_reason": o.finish_reason,
                     "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]),
                                                      body.return_tokens_as_token_ids)}
@@ -195,6 +201,8 @@ def _install_completion_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             return _sse(_chat_chunks(run, body, response_id), response_id)
         outputs = await run.collect()
+        if (failed := _failed(outputs, response_id)) is not None:
+            return failed
         choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
                     "logprobs": chat_log_probs(engine.tokenizer, o.log_probs) if body.logprobs else None}
                    for i, o in enumerate(outputs)]
@@ -248,6 +256,16 @@ class _Run:
         return self.final
 
 
+def _failed(outputs: list[RequestOutput], response_id: str) -> Optional[JSONResponse]:
+    """An error response when a request ended with an error: 503 when it was aborted (a drain that
+    ran out of time), 500 when its forward failed."""
+    for out in outputs:
+        if out.error:
+            code = 503 if out.finish_reason == "abort" else 500
+            return JSONResponse(error_body(out.error, kind="server_error"), code, headers={"x-request-id": response_id})
+    return None
+
+
 def _json(body: dict, response_id: str) -> JSONResponse:
     return JSONResponse(body, headers={"x-request-id": response_id})
 
@@ -278,6 +296,8 @@ async def _completion_chunks(run: _Run, body: CompletionRequest, response_id: st
                       "logprobs": completion_log_probs(engine.tokenizer, out.new_log_probs, offset,
                                                        body.return_tokens_as_token_ids)}
             yield envelope("text_completion", response_id, engine.model_name, [choice])
+            if out.finished and out.error:  # the openai client raises an APIError on this event
+                yield error_body(out.error, kind="server_error")
     finally:
         await outputs.aclose()
     if body.include_usage():
@@ -296,15 +316,38 @@ async def _chat_chunks(run: _Run, body: ChatCompletionRequest, response_id: str)
             choice = {"index": index, "delta": delta, "finish_reason": finish_reason(out),
                       "logprobs": chat_log_probs(engine.tokenizer, out.new_log_probs) if body.logprobs else None}
             yield envelope("chat.completion.chunk", response_id, engine.model_name, [choice])
+            if out.finished and out.error:  # the openai client raises an APIError on this event
+                yield error_body(out.error, kind="server_error")
     finally:
         await outputs.aclose()
     if body.include_usage():
         yield envelope("chat.completion.chunk", response_id, engine.model_name, [], {"usage": usage(run.final, body.n)})
 
 
-def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
-          log_level: str = "info") -> int:
-    """Run the server until SIGINT/SIGTERM; in-flight requests get `drain_timeout_s` to finish."""
+def drain_error(timeout_s: float) -> str:
+    return (f"the server is shutting down and this request did not finish within the drain timeout "
+            f"({timeout_s:g} s); it was aborted, retry it on another server")
+
+
+async def drain(state: ServerState, timeout_s: float) -> int:
+    """Answer 503 to /health and new requests, let in-flight requests finish for up to `timeout_s`,
+    then abort what is left with a clear error (which frees its blocks); -> how many were aborted."""
+    if state.status == "ready":
+        state.status = "draining"
+    engine = state.engine
+    if engine is None:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if not engine.has_unfinished_requests():
+        return 0
+    return await asyncio.to_thread(engine.abort_all, drain_error(timeout_s))
+
+
+def build_server(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
+                 log_level: str = "info"):
+    """The uvicorn server (with the drain) and the app's state; `serve` runs it."""
     import uvicorn
 
     app = build_app(engine_factory)
@@ -313,8 +356,13 @@ def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_t
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if state.status == "ready":
-                state.status = "draining"  # /health says 503 on connections still open
+                state.status = "draining"  # /health says 503 from the signal on
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            # the sockets stay open while draining, so probes and new requests get a 503, not a refusal
+            await drain(state, drain_timeout_s)
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -329,7 +377,13 @@ def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_t
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=drain_timeout_s)
-    DrainingServer(config).run()
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    return DrainingServer(config), state
+
+
+def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
+          log_level: str = "info") -> int:
+    """Run the server until SIGINT/SIGTERM; in-flight requests get `drain_timeout_s` to finish."""
+    server, state = build_server(engine_factory, host, port, drain_timeout_s, log_level)
+    server.run()
     return 1 if state.status == "failed" else 0

@@ -5,11 +5,12 @@ stop strings, log probabilities and lifecycle events."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
-from meshtron.inference.request import InvalidRequestError, SamplingParams
+from meshtron.inference.request import InvalidRequestError, RequestStatus, SamplingParams
 from meshtron.inference.sampler import filter_rows
 from tests.inference.helpers import TOKENIZER, engine, tiny_model, workload
 
@@ -144,3 +145,40 @@ def test_generate_inside_a_running_loop_before_and_after_a_stream(model):
         max_tokens=5, temperature=0.8, seed=3))
     assert seeded[0].token_ids == alone[0].token_ids
     assert eng.kv.num_free_blocks == 64
+
+
+def test_abort_and_fail_events_in_order_with_timestamps(model):
+    eng = engine(model, num_blocks=64, block_size=4)
+    rid = eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    request = eng.scheduler.requests[rid]
+    eng.step()
+    eng.step()
+    before = time.monotonic()
+    assert eng.abort(rid, "client went away") and not eng.abort(rid)
+    assert [e.kind.value for e in request.events] == ["added", "scheduled", "aborted"]
+    stamps = [e.timestamp for e in request.events]
+    assert stamps == sorted(stamps) and stamps[-1] >= before
+    assert request.status == RequestStatus.FINISHED_ABORTED and request.error == "client went away"
+    assert len(request.output_token_ids) == 2 and eng.kv.num_free_blocks == 64
+
+    # a forward that raises fails that step's requests (and only them); the engine serves on
+    working = eng.runner.execute
+
+    def broken(sched):
+        raise RuntimeError("device lost")
+
+    eng.runner.execute = broken
+    ids = [eng.add_request(p, SamplingParams(max_tokens=4, temperature=0)) for p in ([7, 8], [9, 10, 11])]
+    failed_requests = [eng.scheduler.requests[i] for i in ids]
+    outs = eng.step()
+    eng.runner.execute = working
+    assert [o.req_id for o in outs] == ids
+    for out, req in zip(outs, failed_requests):
+        assert out.finished and out.finish_reason == "error" and out.error == "RuntimeError: device lost"
+        assert [e.kind.value for e in out.events] == ["added", "scheduled", "failed"]
+        assert [e.timestamp for e in out.events] == sorted(e.timestamp for e in out.events)
+        assert req.status == RequestStatus.FINISHED_FAILED
+    assert eng.kv.num_free_blocks == 64 and not eng.has_unfinished_requests()
+    params = SamplingParams(max_tokens=4, temperature=0)
+    again = eng.generate([[7, 8]], params)[0].token_ids
+    assert again == engine(model, num_blocks=64, block_size=4).generate([[7, 8]], params)[0].token_ids
