@@ -8,8 +8,10 @@ cut to the tokenizer's vocabulary) and, when a loss needs them, the hidden state
 layer pairs (the student's projected to the teacher's width); the balancer sums the weighted
 losses over the loss tokens. Evaluation reports the student's own loss on the labels.
 
-The teacher is parallelized like the student (same mesh and plans: TP, FSDP, CP). Pipeline
-parallelism is refused: the teacher's logits would have to follow the student's stages.
+The teacher is parallelized like the student (same mesh and plans: TP, FSDP, CP). Under pipeline
+parallelism the teacher is split into the student's number of stages and runs forward first; the
+logits losses are computed in the student's last stage (distill/pipeline.py). Hidden-state losses
+are refused under pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -25,22 +27,27 @@ from meshtron.config.schema import RunConfig
 from meshtron.distill.balancer import LossBalancer
 from meshtron.distill.hidden import DistillProjections, HiddenCapture, resolve_index
 from meshtron.distill.losses import ModelOutputs, build_losses
+from meshtron.distill.pipeline import PipelinedTeacher, broadcast_extras
 from meshtron.distill.teacher import build_teacher, teacher_model_config
 from meshtron.models.gpt import GPTModel
 from meshtron.models.mtp import combine_losses, forward_for_loss
 from meshtron.nn.loss import masked_cross_entropy
 from meshtron.parallel import fsdp_mesh, parallelize_parts
 from meshtron.parallel.fsdp import apply_fsdp_unit
+from meshtron.parallel.parts import ModelParts
 from meshtron.training.metrics import MetricsLogger
-from meshtron.training.trainer import Trainer
+from meshtron.training.trainer import StepResult, Trainer
 
 
 class DistillTrainer(Trainer):
     def __init__(self, cfg: RunConfig, echo: bool = True):
-        if cfg.parallel.pp > 1:
-            raise ConfigError(f"parallel.pp: {cfg.parallel.pp} is not supported by distillation; use TP, FSDP or CP "
-                              "(pp 1)")
         self.balancer = LossBalancer(build_losses(cfg.distill), cfg.distill.loss_weights(), cfg.distill.label_weight)
+        if cfg.parallel.pp > 1 and self.balancer.needs_hidden:
+            raise ConfigError(f"distill.losses: hidden-state losses are not supported with parallel.pp "
+                              f"{cfg.parallel.pp} (their layer pairs may sit on different stages); use the logits "
+                              "losses (kl, reverse_kl, topk_kl) or pp 1")
+        self.pipelined_teacher = None
+        self._pipeline_extras: dict[int, dict[str, tuple[float, float]]] = {}
         self.teacher_cfg = teacher_model_config(cfg)
         self.layer_pairs: list[tuple[int, int]] = []
         super().__init__(cfg, echo)
@@ -67,9 +74,17 @@ class DistillTrainer(Trainer):
         cfg = self.cfg
         teacher = build_teacher(cfg, self.teacher_cfg, self.tokenizer.vocab_size, self.device)
         plain = dataclasses.replace(cfg.parallel, activation_checkpoint="none")
+        parts = [teacher]
+        if self.pipeline is not None:
+            self.pipelined_teacher = PipelinedTeacher(teacher, self.pipeline)
+            parts = self.pipelined_teacher.parts
+            teacher = ModelParts(parts)
+            # the last stage's loss becomes the distillation objective (evaluation keeps the plain one)
+            self._plain_pipeline_loss = self.pipeline._micro_batch_loss
+            self.pipeline._micro_batch_loss = self._pipeline_loss
         try:
-            parallelize_parts([teacher], self.dims, self.mesh, dataclasses.replace(cfg, model=self.teacher_cfg,
-                                                                                    parallel=plain))
+            parallelize_parts(parts, self.dims, self.mesh, dataclasses.replace(cfg, model=self.teacher_cfg,
+                                                                               parallel=plain))
         except ConfigError as e:
             raise ConfigError(f"teacher: {e}") from None
         self.teacher = teacher
@@ -102,6 +117,42 @@ class DistillTrainer(Trainer):
         label_loss = combine_losses(logits, mtp_logits, mb["labels"], mb["loss_mask"], mb.get("document_ids"),
                                     self.cfg.model, cross_entropy)
         return self.balancer(student, teacher, mb["loss_mask"], label_loss)
+
+    # ---- pipeline parallelism -----------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        if self.pipelined_teacher is None:
+            return super().train_step(micro_batches)
+        local = [self._local_micro_batch(mb) for mb in micro_batches]
+        with self._phase("teacher", " forward (pipelined)"):
+            self.pipelined_teacher.run(local, self._vocabulary_logits, self._autocast())
+        self._pipeline_extras = {}
+        result = super().train_step(micro_batches)
+        for name, (value, count) in broadcast_extras(self._pipeline_extras, self.pipeline).items():
+            result.extra[name] = self._global_sum(value) / max(self._global_sum(count), 1.0)
+        self._pipeline_extras, self.pipelined_teacher.logits = {}, {}
+        return result
+
+    def _pipeline_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """The last stage's loss of micro-batch i: (weighted distillation objective) * 1 / tokens of the step."""
+        p = self.pipeline
+        if not self.model_parts[0].training or i not in self.pipelined_teacher.logits:
+            return self._plain_pipeline_loss(logits, i)   # evaluation: the student's own loss on the labels
+        mb = p._batches[i]
+        cross_entropy = masked_cross_entropy
+        if p.loss_parallel:
+            from meshtron.parallel.loss import vocab_parallel_cross_entropy as cross_entropy
+        label_loss = combine_losses(logits, [], mb["labels"], mb["loss_mask"], mb.get("document_ids"),
+                                    self.cfg.model, cross_entropy)
+        student = ModelOutputs(self._vocabulary_logits(logits), [])
+        teacher = ModelOutputs(self.pipelined_teacher.logits[i], [])
+        loss, _, extras = self.balancer(student, teacher, mb["loss_mask"], label_loss)
+        if i == 0 and p._inject_nan:
+            loss = loss * float("nan")
+        p._loss_sums[i] = loss.detach()
+        # keyed by micro-batch: the stage's shape inference calls this once for index 0 before the real call
+        self._pipeline_extras[i] = {name: (float(v), float(c)) for name, (v, c) in extras.items()}
+        return loss * p._loss_scale
 
     def _announce(self, logger: MetricsLogger) -> None:
         super()._announce(logger)

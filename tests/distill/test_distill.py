@@ -263,3 +263,49 @@ def test_distillation_layout_matches_single_process(layout, teacher_checkpoint, 
         assert set(r["params"]) == set(ref["params"])
         for name, value in r["params"].items():
             torch.testing.assert_close(value, ref["params"][name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [{"parallel.pp": "2"},
+                                   {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+                                    "parallel.pp_virtual_stages": "2", "distill.losses": "kl,reverse_kl"}],
+                         ids=["pp2_1f1b", "pp2_interleaved"])
+def test_pipelined_distillation_matches_single_process(extra, teacher_checkpoint, tmp_path):
+    """Teacher (6 sublayers) and student (4) each split into the same number of stages; the logits
+    losses in the last stage give the single process's losses, logged terms and parameters."""
+    overrides = {**LAYOUT_BASE, "teacher.load": teacher_checkpoint, "distill.losses": "kl,topk_kl",
+                 "distill.layer_pairs": "", "distill.top_k": "8", "train.eval_interval": "3", "train.eval_iters": "1"}
+    overrides.update({k: v for k, v in extra.items() if k.startswith("distill.")})
+    ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
+    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=300,
+                        overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
+                                   "parallel.timeout_s": "60"})
+    assert {"lm_loss", "distill_kl"} <= set(ref["extra"][0])
+    merged: dict = {}
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+        for step, ref_extra in zip(r["extra"], ref["extra"]):
+            assert set(step) == set(ref_extra) and step == pytest.approx(ref_extra, abs=1e-5, rel=0)
+        merged.update(r["params"])
+    assert set(merged) == set(ref["params"])
+    for name, value in merged.items():
+        torch.testing.assert_close(value, ref["params"][name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_teacher_stage_ranges():
+    from meshtron.distill.pipeline import teacher_stage_ranges
+
+    assert teacher_stage_ranges(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    assert teacher_stage_ranges(6, 2) == [range(0, 3), range(3, 6)]
+    with pytest.raises(ConfigError, match="teacher: its 3 sublayers do not fill the 4 pipeline stages"):
+        teacher_stage_ranges(3, 4)
+
+
+def test_pipelined_hidden_state_losses_are_refused(teacher_checkpoint, tmp_path):
+    from tests.conftest import TINY
+
+    cfg = load_config(overrides={**TINY, "train.run_dir": str(tmp_path), "teacher.load": teacher_checkpoint,
+                                 "distill.losses": "kl,hidden_mse", "distill.layer_pairs": "0:1",
+                                 "parallel.pp": "2"}, world_size=2)
+    with pytest.raises(ConfigError, match="distill.losses: hidden-state losses are not supported with parallel.pp 2"):
+        DistillTrainer(cfg)   # refused before any process group is needed
