@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshtron.nn.context import PackedContext
 from meshtron.nn.moe.replay import clear_replay
@@ -31,34 +32,46 @@ from meshtron.rl.loss import (
 from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
 from meshtron.rl.replay import replay_routing
 from meshtron.rl.rollout import Rollout
+from meshtron.rl.tensor_parallel import vocab_parallel_log_probs
 
 SUM_STATS = ("tokens", "clipped_low", "clipped_high", "ratio", "is_weight", "kl", "entropy", "logprob_gap")
 
 
-def world_group():
+def world_group(group=None):
+    """The data-parallel group to reduce over: `group` (under tensor parallelism) or all ranks; None
+    when it has one rank."""
+    if group is not None:
+        return group if dist.get_world_size(group) > 1 else None
     return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def all_reduce(values: list[float], op=None) -> list[float]:
-    """Reduce a few numbers over all ranks (sum by default); unchanged in a single process."""
-    if world_group() is None:
+def all_reduce(values: list[float], op=None, group=None) -> list[float]:
+    """Reduce a few numbers over the data-parallel ranks (sum by default); unchanged in a single process."""
+    group = world_group(group)
+    if group is None:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
     return t.tolist()
 
 
-def all_reduce_gradients(model: torch.nn.Module) -> None:
-    """Sum gradients over the data-parallel ranks (each rank's loss carries global normalisers)."""
-    if world_group() is None:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
+    """Sum gradients over the data-parallel ranks (each rank's loss carries global normalisers);
+    a tensor-parallel shard is reduced with the same shard of the other replicas."""
+    group = world_group(group)
+    if group is None:
         return
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a rank with nothing to train this mini-batch still takes part
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+    grads = [_local(p.grad) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     at = 0
     for g in grads:
         g.copy_(flat[at:at + g.numel()].view_as(g))
@@ -71,6 +84,9 @@ def forward_log_probs(model: torch.nn.Module, mb: dict[str, torch.Tensor], tempe
     ctx = PackedContext.for_tokens(mb["input_ids"], mb["document_ids"], mb["position_ids"])
     with replay_routing(model, mb):  # MoE: the experts the rollout engine chose, when recorded
         logits = model(mb["input_ids"], ctx)
+    if isinstance(logits, DTensor):  # tensor parallel: logits sharded over the vocabulary
+        log_probs, entropy = vocab_parallel_log_probs(logits, mb["labels"], temperature)
+        return log_probs, entropy if entropy_grad else entropy.detach()
     log_probs = token_log_probs(logits, mb["labels"], temperature)
     if entropy_grad:
         return log_probs, token_entropy(logits, temperature)
@@ -100,9 +116,10 @@ def split_mini_batches(rollouts: Sequence[Rollout], num: int, seed: int, step: i
     return out
 
 
-def train_sequences(rollouts: Sequence[Rollout], aggregation: str, max_new_tokens: int) -> list[TrainSequence]:
+def train_sequences(rollouts: Sequence[Rollout], aggregation: str, max_new_tokens: int,
+                    group=None) -> list[TrainSequence]:
     lengths = [len(r.completion_ids) for r in rollouts]
-    total_tokens, total_seqs = all_reduce([float(sum(lengths)), float(len(lengths))])
+    total_tokens, total_seqs = all_reduce([float(sum(lengths)), float(len(lengths))], group=group)
     weights = token_weights(lengths, aggregation, max_new_tokens, int(total_tokens), int(total_seqs))
     return [TrainSequence(r.prompt_ids + r.completion_ids, len(r.prompt_ids), w, r.advantage, r.log_probs,
                           r.routing) for r, w in zip(rollouts, weights)]
@@ -113,8 +130,8 @@ class GRPOUpdate:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rl_cfg, clip_grad: float,
                  pad_id: int, micro_batch_size: int, device: torch.device,
-                 ref_model: Optional[torch.nn.Module] = None):
-        self.num_tokens = 0
+                 ref_model: Optional[torch.nn.Module] = None, group=None):
+        self.num_tokens, self.group = 0, group  # group: data-parallel ranks (None: all)
         self.model, self.optimizer, self.cfg = model, optimizer, rl_cfg
         self.clip_grad, self.pad_id, self.micro_batch_size = clip_grad, pad_id, micro_batch_size
         self.device, self.ref_model = device, ref_model
@@ -122,7 +139,7 @@ class GRPOUpdate:
                                          rl_cfg.entropy_coef, rl_cfg.is_truncation)
 
     def _batches(self, rollouts: Sequence[Rollout]) -> list[dict[str, torch.Tensor]]:
-        seqs = train_sequences(rollouts, self.cfg.aggregation, self.cfg.max_new_tokens)
+        seqs = train_sequences(rollouts, self.cfg.aggregation, self.cfg.max_new_tokens, self.group)
         self.num_tokens += sum(len(s.token_ids) - 1 for s in seqs)
         rows = pack_sequences(seqs, self.cfg.pack_length, self.pad_id)
         return [{k: v.to(self.device) for k, v in mb.items()} for mb in micro_batches(rows, self.micro_batch_size)]
@@ -155,16 +172,18 @@ class GRPOUpdate:
                     sums[k] += float(stats[k])
                 extremes["is_weight_max"] = max(extremes["is_weight_max"], float(stats["is_weight_max"]))
                 extremes["is_weight_min"] = min(extremes["is_weight_min"], float(stats["is_weight_min"]))
-            all_reduce_gradients(self.model)
+            all_reduce_gradients(self.model, self.group)
             clip = self.clip_grad if self.clip_grad > 0 else float("inf")
             grad_norms.append(clip_grad_norm_(list(self.model.parameters()), clip))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             clear_replay(self.model)  # entries kept for a backward recompute (none without checkpointing)
-        values = all_reduce([sums[k] for k in SUM_STATS] + [loss_total])
+        values = all_reduce([sums[k] for k in SUM_STATS] + [loss_total], group=self.group)
         sums, loss_total = dict(zip(SUM_STATS, values[:-1])), values[-1]
-        mx = all_reduce([extremes["is_weight_max"]], dist.ReduceOp.MAX if world_group() else None)[0]
-        mn = all_reduce([extremes["is_weight_min"]], dist.ReduceOp.MIN if world_group() else None)[0]
+        mx = all_reduce([extremes["is_weight_max"]], dist.ReduceOp.MAX if world_group(self.group) else None,
+                        self.group)[0]
+        mn = all_reduce([extremes["is_weight_min"]], dist.ReduceOp.MIN if world_group(self.group) else None,
+                        self.group)[0]
         n = max(sums["tokens"], 1.0)
         return {"loss": loss_total / len(batches), "grad_norm": grad_norms[-1], "lr": lr,
                 "kl": sums["kl"] / n, "entropy": sums["entropy"] / n,
@@ -172,7 +191,7 @@ class GRPOUpdate:
                 "clip_fraction_low": sums["clipped_low"] / n, "clip_fraction_high": sums["clipped_high"] / n,
                 "ratio_mean": sums["ratio"] / n, "is_weight_mean": sums["is_weight"] / n, "is_weight_max": mx,
                 "is_weight_min": mn, "logprob_gap": sums["logprob_gap"] / n,
-                "train_tokens": all_reduce([float(self.num_tokens)])[0]}
+                "train_tokens": all_reduce([float(self.num_tokens)], group=self.group)[0]}
 
     def _micro_batch(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_probs, entropy = forward_log_probs(self.model, mb, self.cfg.temperature,
@@ -188,27 +207,33 @@ class GRPOUpdate:
 
 def supervised_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: list[TrainSequence],
                     pack_length: int, pad_id: int, micro_batch_size: int, device: torch.device, lr: float,
-                    clip_grad: float) -> dict[str, float]:
+                    clip_grad: float, group=None) -> dict[str, float]:
     """Cross-entropy on the demonstration tokens (weights already normalised); one optimizer step."""
     model.train()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
     rows = pack_sequences(sequences, pack_length, pad_id)
     loss_sum, correct, tokens = 0.0, 0.0, 0.0
     for mb in micro_batches(rows, micro_batch_size):
         mb = {k: v.to(device) for k, v in mb.items()}
         ctx = PackedContext.for_tokens(mb["input_ids"], mb["document_ids"], mb["position_ids"])
         logits = model(mb["input_ids"], ctx)
-        loss = -(token_log_probs(logits, mb["labels"]) * mb["weights"]).sum()
+        if isinstance(logits, DTensor):
+            log_probs = vocab_parallel_log_probs(logits, mb["labels"])[0]
+        else:
+            log_probs = token_log_probs(logits, mb["labels"])
+        loss = -(log_probs * mb["weights"]).sum()
         loss.backward()
         loss_sum += loss.item()
         with torch.no_grad():
             trained = mb["weights"] > 0
-            correct += float(((logits.argmax(-1) == mb["labels"]) & trained).sum())
+            # the label is the argmax when its log prob is the largest: p >= every other p
+            best = logits.full_tensor().argmax(-1) if isinstance(logits, DTensor) else logits.argmax(-1)
+            correct += float(((best == mb["labels"]) & trained).sum())
             tokens += float(trained.sum())
-    all_reduce_gradients(model)
+    all_reduce_gradients(model, group)
     grad_norm = clip_grad_norm_(list(model.parameters()), clip_grad if clip_grad > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, correct, tokens = all_reduce([loss_sum, correct, tokens])
+    loss_sum, correct, tokens = all_reduce([loss_sum, correct, tokens], group=group)
     return {"loss": loss_sum, "token_accuracy": correct / max(tokens, 1.0), "grad_norm": grad_norm, "lr": lr}

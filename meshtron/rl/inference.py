@@ -256,7 +256,6 @@ class MirroredTransformersBackend(TransformersBackend):
 def build_backend(cfg, model: torch.nn.Module, tokenizer, device: torch.device) -> InferenceBackend:
     """The rollout backend `cfg.rl.backend` names, for `model` (the trained one) and a `RunConfig`."""
     from meshtron.config.fields import ConfigError
-    from meshtron.inference.config import EngineConfig
 
     rl = cfg.rl
     if rl.backend == "openai":
@@ -275,7 +274,15 @@ def build_backend(cfg, model: torch.nn.Module, tokenizer, device: torch.device) 
             raise ConfigError(f"rl.backend: transformers cannot mirror this model ({e}); use rl.backend=engine") from None
     from meshtron.rl.replay import has_routers
 
-    return EngineBackend(model, tokenizer, EngineConfig(
-        block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
-        max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
-        device=device.type, seed=cfg.train.seed), record_routing=rl.router_replay and has_routers(model))
+    return EngineBackend(model, tokenizer, engine_config(cfg, device),
+                         record_routing=rl.router_replay and has_routers(model))
+
+
+def engine_config(cfg, device: torch.device):
+    """The rollout engine's settings from a `RunConfig`'s rl section."""
+    from meshtron.inference.config import EngineConfig
+
+    rl = cfg.rl
+    return EngineConfig(block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
+                        max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
+                        device=device.type, seed=cfg.train.seed)

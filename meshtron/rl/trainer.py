@@ -3,10 +3,12 @@ optionally warm up on demonstrations, then repeat
     rollouts (engine, in process) -> rewards -> advantages -> suspend the engine -> K optimizer steps
     -> (the engine resumes with an empty cache on the next rollouts) -> metrics -> eval -> checkpoint.
 
-Under torchrun every rank holds the whole model, generates its share of the prompts with its own
-engine, and the gradients are summed over ranks (the loss carries global normalisers), so the
-weights stay identical. Tensor, pipeline, context and expert parallel layouts are refused: the
-in-process engine needs the whole model on every rank.
+Under torchrun every data-parallel replica generates its share of the prompts with its own engine,
+and the gradients are summed over replicas (the loss carries global normalisers), so the weights
+stay identical. With parallel.tp > 1 a replica is a TP group holding one sharded model: its rank 0
+runs the engine on the sharded model, the others follow its forwards, every rank trains on the same
+rollouts with vocabulary-parallel log probs (`meshtron.rl.tensor_parallel`). Pipeline, context and
+expert parallel layouts are refused: the rollout engine runs neither split stages nor split sequences.
 
 The RL state saved in a checkpoint: model, optimizer, GRPO step and optimizer-step counts, the
 position in the prompt stream, RNG states and (with a KL penalty) the reference weights. Rollout
@@ -37,7 +39,7 @@ from meshtron.models.gpt import GPTModel, count_parameters
 from meshtron.parallel.distributed import init_distributed
 from meshtron.rl.environments import build_environment
 from meshtron.rl.grpo import GRPOUpdate, all_reduce, assign_advantages, split_mini_batches, supervised_step
-from meshtron.rl.inference import InferenceBackend, build_backend
+from meshtron.rl.inference import InferenceBackend, build_backend, engine_config
 from meshtron.rl.loss import token_weights, zero_variance_fraction
 from meshtron.rl.packing import TrainSequence
 from meshtron.rl.rollout import EvaluationAgent, GroupedRollouts, PassAtKEvaluator, RolloutGenerator, pass_at_k
@@ -67,11 +69,17 @@ class GRPOTrainer:
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.env = build_environment(cfg.env)
         self.model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        if self.tp_mesh is not None:  # logits stay sharded over the vocabulary (vocab-parallel log probs)
+            from meshtron.parallel.tensor_parallel import apply_tp
+
+            apply_tp(self.model, self.tp_mesh, sequence_parallel=False, loss_parallel=True)
         if rl.init_checkpoint:
             load_checkpoint(rl.init_checkpoint, self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, t.train_iters * rl.updates_per_step)
-        if backend is None:
+        if backend is None and self.tp_mesh is not None:
+            backend = self._tensor_parallel_backend()
+        elif backend is None:
             backend = build_backend(cfg, self.model, self.tokenizer, self.device)
         elif callable(backend) and not hasattr(backend, "generate"):
             backend = backend(self.model, self.tokenizer)
@@ -95,17 +103,53 @@ class GRPOTrainer:
         self.history: list[dict[str, Any]] = []
 
     def _setup_distributed(self) -> None:
+        """Ranks form (dp, tp) with tp innermost: rank = dp_rank * tp + tp_rank. Prompts are shared
+        over dp; the ranks of a TP group hold one sharded model and the same rollouts."""
         p, rl = self.cfg.parallel, self.cfg.rl
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("pp", "cp", "ep"):
             if getattr(p, name) != 1:
-                raise ConfigError(f"parallel.{name}: {getattr(p, name)} is not allowed for meshtron rl; the in-process "
-                                  "rollout engine needs the whole model on every rank: use data parallelism only")
+                raise ConfigError(f"parallel.{name}: {getattr(p, name)} is not allowed for meshtron rl; the rollout "
+                                  "engine runs whole or tensor-parallel models: use data and tensor parallelism")
+        tp = p.tp
+        if tp > 1 and self.cfg.rl.backend != "engine":
+            raise ConfigError(f"rl.backend: {self.cfg.rl.backend} is not allowed with parallel.tp={tp}; "
+                              "tensor-parallel rollouts come from the in-process engine: set rl.backend engine")
         self.world_size = init_distributed(self.device, p.timeout_s)
         self.rank = dist.get_rank() if self.world_size > 1 else 0
+        if self.world_size % tp:
+            raise ConfigError(f"parallel.tp: {tp} is not allowed; must divide the number of processes ({self.world_size})")
+        self.tp, self.dp_size, self.dp_rank = tp, self.world_size // tp, self.rank // tp
+        self.dp_group = self.tp_group = self.tp_mesh = None
+        if tp > 1:
+            from datetime import timedelta
+
+            from torch.distributed.device_mesh import DeviceMesh
+
+            timeout = timedelta(seconds=p.timeout_s)
+            for d in range(self.dp_size):  # every rank creates every group, in the same order
+                group = dist.new_group(list(range(d * tp, (d + 1) * tp)), timeout=timeout)
+                if d == self.dp_rank:
+                    self.tp_group = group
+            for r in range(tp):
+                group = dist.new_group(list(range(r, self.world_size, tp)), timeout=timeout)
+                if r == self.rank % tp:
+                    self.dp_group = group
+            self.tp_mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh_dim_names=("tp",))
         for name in ("prompts_per_step", "eval_problems"):
-            if getattr(rl, name) % self.world_size:
+            if getattr(rl, name) % self.dp_size:
                 raise ConfigError(f"rl.{name}: {getattr(rl, name)} is not allowed; must be a multiple of the number "
-                                  f"of processes ({self.world_size})")
+                                  f"of data-parallel replicas ({self.dp_size})")
+
+    def _tensor_parallel_backend(self) -> InferenceBackend:
+        from meshtron.rl.replay import has_routers
+        from meshtron.rl.tensor_parallel import TensorParallelEngineBackend
+
+        rl = self.cfg.rl
+        if rl.router_replay and has_routers(self.model):
+            raise ConfigError(f"rl.router_replay: true is not supported with parallel.tp={self.tp} yet; "
+                              "set rl.router_replay false or parallel.tp 1")
+        return TensorParallelEngineBackend(self.model, self.tokenizer, engine_config(self.cfg, self.device),
+                                           self.tp_group, leader_rank=self.dp_rank * self.tp)
 
     # ---- phases --------------------------------------------------------------------------------
 
@@ -119,34 +163,35 @@ class GRPOTrainer:
         schedule = LRSchedule(rl.warmup_lr, SchedulerConfig(warmup_steps=min(10, rl.warmup_steps), decay_style="cosine",
                                                              min_lr=rl.warmup_lr * 0.1), rl.warmup_steps)
         problems = self.env.get_dataset("train", rl.warmup_steps * rl.warmup_batch_size, seed=t.seed + 1)
-        local = rl.warmup_batch_size // self.world_size
+        local = rl.warmup_batch_size // self.dp_size
         eod = self.tokenizer.eod_id
         for step in range(1, rl.warmup_steps + 1):
-            start = (step - 1) * rl.warmup_batch_size + self.rank * local
+            start = (step - 1) * rl.warmup_batch_size + self.dp_rank * local
             batch = [problems[i] for i in range(start, start + local)]
             prompts = [self.tokenizer.encode(self.env.get_prompt(p)) for p in batch]
             answers = [self.tokenizer.encode(p.solution) + [eod] for p in batch]
-            total = all_reduce([float(sum(map(len, answers)))])[0]
+            total = all_reduce([float(sum(map(len, answers)))], group=self.dp_group)[0]
             weights = token_weights([len(a) for a in answers], "token_mean", rl.max_new_tokens, int(total))
             seqs = [TrainSequence(p + a, len(p), w) for p, a, w in zip(prompts, answers, weights)]
             metrics = supervised_step(self.model, optimizer, seqs, rl.pack_length, self.tokenizer.pad_id,
-                                      t.micro_batch_size, self.device, schedule(step), self.cfg.optimizer.clip_grad)
+                                      t.micro_batch_size, self.device, schedule(step), self.cfg.optimizer.clip_grad,
+                                      self.dp_group)
             if step % self.cfg.logger.log_interval == 0 or step == rl.warmup_steps:
                 logger.log(step, metrics, kind="warmup")
         self.backend.suspend()  # the prefix cache holds keys/values of the weights before the warm-up
         self.warmup_done = True
 
     def evaluate(self) -> dict[str, float]:
-        mine = [self.eval_problems[i] for i in range(self.rank, len(self.eval_problems), self.world_size)]
+        mine = [self.eval_problems[i] for i in range(self.dp_rank, len(self.eval_problems), self.dp_size)]
         out = self.evaluator.evaluate(self.backend, self.env, self.tokenizer, mine)
         keys = sorted(out)
-        sums = all_reduce([out[k] * len(mine) for k in keys])
+        sums = all_reduce([out[k] * len(mine) for k in keys], group=self.dp_group)
         return {k: v / len(self.eval_problems) for k, v in zip(keys, sums)}
 
     def grpo_step(self) -> dict[str, float]:
         rl = self.cfg.rl
-        local = rl.prompts_per_step // self.world_size
-        first = self.consumed_prompts + self.rank * local
+        local = rl.prompts_per_step // self.dp_size
+        first = self.consumed_prompts + self.dp_rank * local
         problems = [self.train_problems[(first + i) % len(self.train_problems)] for i in range(local)]
         t0 = time.perf_counter()
         rollouts = self.rollouts.generate(self.backend, self.env, self.tokenizer, problems, self.sampling(),
@@ -159,7 +204,7 @@ class GRPOTrainer:
         self.backend.suspend()  # frees the KV cache; the old weights' keys/values must not be reused
         t1 = time.perf_counter()
         update = GRPOUpdate(self.model, self.optimizer, rl, self.cfg.optimizer.clip_grad, self.tokenizer.pad_id,
-                            self.cfg.train.micro_batch_size, self.device, self.ref_model)
+                            self.cfg.train.micro_batch_size, self.device, self.ref_model, self.dp_group)
         mini_batches = split_mini_batches(rollouts, rl.updates_per_step, self.cfg.train.seed, self.step,
                                           self.consumed_prompts, rl.prompts_per_step, rl.group_size)
 
@@ -178,7 +223,7 @@ class GRPOTrainer:
         g = self.cfg.rl.group_size
         success = [sum(r.reward >= 1.0 for r in rollouts[i:i + g]) for i in range(0, len(rollouts), g)]
         k = min(self.cfg.rl.eval_k, g)
-        n, s, s2, zero_var, p1, pk, length = all_reduce([
+        n, s, s2, zero_var, p1, pk, length = all_reduce(group=self.dp_group, values=[
             float(len(rewards)), float(rewards.sum()), float((rewards ** 2).sum()),
             zero_variance_fraction(rewards, g) * len(success), sum(pass_at_k(g, c, 1) for c in success),
             sum(pass_at_k(g, c, k) for c in success), float(sum(len(r.completion_ids) for r in rollouts))])

@@ -50,3 +50,27 @@ def grpo_history(rank: int, world_size: int, overrides: dict[str, str]) -> list[
     from meshtron.rl.trainer import GRPOTrainer
 
     return GRPOTrainer(load_config(overrides=overrides, world_size=world_size)).train()
+
+
+def grpo_step_gradients(rank: int, world_size: int, overrides: dict[str, str], steps: int = 1):
+    """Run `steps` GRPO steps; return each step's metrics and the full (unsharded) gradients the
+    optimizer saw on its first step."""
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.config import load_config
+    from meshtron.rl.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(load_config(overrides=overrides, world_size=world_size))
+    grads: dict[str, torch.Tensor] = {}
+
+    def capture(optimizer, args, kwargs):
+        if not grads:
+            for name, p in trainer.model.named_parameters():
+                g = p.grad
+                grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+
+    trainer.optimizer.register_step_pre_hook(capture)
+    if trainer.cfg.rl.kl_beta > 0:  # as train() does before the first step
+        trainer.ref_model = trainer._frozen_copy()
+    history = [trainer.grpo_step() for _ in range(steps)]
+    return history, grads
