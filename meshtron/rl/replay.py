@@ -6,8 +6,8 @@ trainer's log probs would then belong to another network than the one that sampl
 that gap:
 
 - recording (`EngineRoutingRecorder`): while the engine generates, each router runs in RECORD mode
-  and the runner's forward is wrapped so every step's recorded (tokens, k) choices are split by
-  chunk: request r's chunk covering positions [start, start + n) of its sequence owns rows
+  and the engine's step hook (which sees each step's scheduled chunks before its forward) lets every
+  step's recorded (tokens, k) choices be split by chunk: request r's chunk covering positions [start, start + n) of its sequence owns rows
   [at, at + n) of the step's varlen row. After generation each request has, per router, the experts
   of positions 0 .. len(prompt) + len(completion) - 2, exactly the trainer's input positions. A
   preempted request that is recomputed overwrites its positions (same weights, same tokens).
@@ -53,31 +53,37 @@ class EngineRoutingRecorder:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        runner = self.engine.runner
-        cfg = runner.cfg
+        """Inside, the engine's steps record routing. The engine's `step_hook` hands over each step's
+        chunks just before that step's forward; the forward's choices are split when the next step
+        starts (or when recording ends). An earlier hook (the TP leader's broadcast) still runs."""
+        cfg = self.engine.runner.cfg
         assert cfg.layout == "varlen" and not cfg.cuda_graphs and not cfg.enable_prefix_caching, \
             "router replay needs routing_engine_config(...)"
-        original = runner._forward
+        previous = self.engine.step_hook
+        pending: list = []
         self.parts = {}
 
-        def forward(chunks):
-            for r in self.routers.values():
-                r.recorded, r.mode = [], ReplayMode.RECORD
-            try:
-                out = original(chunks)
-            finally:
-                for r in self.routers.values():
-                    r.mode = None
-            self._split(chunks)
-            return out
+        def flush() -> None:
+            if pending:
+                self._split(pending.pop())
 
-        runner._forward = forward
+        def hook(kind: str, payload=None) -> None:
+            if previous is not None:
+                previous(kind, payload)
+            if kind == "step":
+                flush()
+                pending.append(payload)
+
+        for r in self.routers.values():
+            r.recorded, r.mode = [], ReplayMode.RECORD
+        self.engine.step_hook = hook
         try:
             yield
+            flush()
         finally:
-            del runner._forward  # the class method again
+            self.engine.step_hook = previous
             for r in self.routers.values():
-                r.recorded = []
+                r.recorded, r.mode = [], None
 
     def _split(self, chunks) -> None:
         step = {}
