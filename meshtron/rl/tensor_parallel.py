@@ -87,14 +87,16 @@ def gathered_logits(model: nn.Module) -> Iterator[None]:
 class TensorParallelEngineBackend:
     """`EngineBackend` for a tensor-parallel model: the TP leader generates, the others follow."""
 
-    def __init__(self, model: nn.Module, tokenizer, config, tp_group, leader_rank: int):
+    def __init__(self, model: nn.Module, tokenizer, config, tp_group, leader_rank: int,
+                 record_routing: bool = False):
         from meshtron.rl.inference import EngineBackend
 
         self.model, self.group, self.leader = model, tp_group, leader_rank
         self.is_leader = dist.get_rank() == leader_rank
-        self.inner = EngineBackend(model, tokenizer, config)
+        # the leader records MoE routing; the followers' routers see the same replicated inputs
+        self.inner = EngineBackend(model, tokenizer, config, record_routing=record_routing)
         self.engine = self.inner.engine
-        self.recorder = None
+        self.recorder = self.inner.recorder
 
     def _broadcast(self, kind: str, payload: Any = None) -> None:
         dist.broadcast_object_list([(kind, payload)], src=self.leader, group=self.group)

@@ -145,11 +145,9 @@ class GRPOTrainer:
         from meshtron.rl.tensor_parallel import TensorParallelEngineBackend
 
         rl = self.cfg.rl
-        if rl.router_replay and has_routers(self.model):
-            raise ConfigError(f"rl.router_replay: true is not supported with parallel.tp={self.tp} yet; "
-                              "set rl.router_replay false or parallel.tp 1")
         return TensorParallelEngineBackend(self.model, self.tokenizer, engine_config(self.cfg, self.device),
-                                           self.tp_group, leader_rank=self.dp_rank * self.tp)
+                                           self.tp_group, leader_rank=self.dp_rank * self.tp,
+                                           record_routing=rl.router_replay and has_routers(self.model))
 
     # ---- phases --------------------------------------------------------------------------------
 

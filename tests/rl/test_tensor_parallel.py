@@ -48,3 +48,22 @@ def test_pipeline_parallel_is_refused(tmp_path):
                                  "rl.backend": "openai", "rl.openai_base_url": "http://127.0.0.1:1/v1"}, world_size=2)
     with pytest.raises(ConfigError, match="rl.backend: openai is not allowed with parallel.tp=2"):
         GRPOTrainer(cfg)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_moe_with_router_replay_matches_the_single_process(tmp_path):
+    """An MoE model under tp=2: the leader's engine records the routing, every TP rank replays it."""
+    from meshtron.testing.multiprocess import run_ranks
+    from tests.rl.helpers import grpo_step_gradients
+
+    moe = {**TP_RL, "model.num_moe_experts": "4", "model.moe_router_topk": "2",
+           "model.moe_router_enable_expert_bias": "true", "model.moe_router_score_function": "sigmoid",
+           "model.moe_shared_expert_intermediate_size": "16"}
+    single, grads = grpo_step_gradients(0, 1, {**moe, "train.run_dir": str(tmp_path / "single")})
+    ranks = run_ranks("tests.rl.helpers:grpo_step_gradients", 2, timeout_s=300,
+                      overrides={**moe, "parallel.tp": "2", "train.run_dir": str(tmp_path / "tp")})
+    for history, tp_grads in ranks:
+        assert history[0]["reward_mean"] == single[0]["reward_mean"]
+        assert history[0]["loss"] == pytest.approx(single[0]["loss"], abs=1e-5)
+        assert history[0]["logprob_gap"] < 1e-5
+        assert max(float((grads[n] - tp_grads[n]).abs().max()) for n in grads) <= 1e-5
