@@ -30,6 +30,7 @@ def test_serve_benchmark_json_fields(tmp_path, capsys):
     for r in data["results"]:
         assert r["num_requests"] == 6 and r["output_tokens"] == sum(outputs)
         assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["output_tokens_per_cpu_s"] == pytest.approx(r["output_tokens"] / r["cpu_s"])
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
         walls = data["walls_s"][r["system"]]
         assert len(walls) == 2 and r["wall_s"] == min(walls)  # lower middle of two runs
@@ -58,4 +59,4 @@ def test_serve_benchmark_static_batches_agree(tmp_path):
     assert [r["system"] for r in data["results"]][-1] == "transformers static b=4"
     assert data["summary"]["greedy_agreement_engine_static"] == 1.0
     assert data["decode_batch1"] == []
-    assert data["summary"]["engine_over_static"] > 0
+    assert data["summary"]["engine_over_static"] > 0 and data["summary"]["engine_over_static_cpu"] > 0
