@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtron.checkpoint import CheckpointManager, load_checkpoint
 from meshtron.config.fields import ConfigError
@@ -236,7 +237,11 @@ class GRPOTrainer:
     def state(self) -> dict[str, Any]:
         return {"step": self.step, "optimizer_steps": self.optimizer_steps, "consumed_prompts": self.consumed_prompts,
                 "warmup_done": self.warmup_done, "rng": rng_state(), "schedule": self.schedule.state_dict(),
-                "ref_model": None if self.ref_model is None else self.ref_model.state_dict()}
+                "ref_model": None if self.ref_model is None else self._ref_state()}
+
+    def _ref_state(self) -> dict[str, torch.Tensor]:
+        """The reference weights whole (tensor-parallel shards gathered: every rank loads its own shard)."""
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.ref_model.state_dict().items()}
 
     def save(self) -> None:
         self.checkpoints.save(self.step, self.model, self.optimizer, self.state(),
@@ -250,7 +255,12 @@ class GRPOTrainer:
         self.consumed_prompts, self.warmup_done = int(state["consumed_prompts"]), bool(state["warmup_done"])
         if state.get("ref_model") is not None:
             self.ref_model = self._frozen_copy()
-            self.ref_model.load_state_dict(state["ref_model"])
+            with torch.no_grad():
+                for name, target in self.ref_model.state_dict().items():
+                    value = state["ref_model"][name].to(self.device)
+                    if isinstance(target, DTensor):
+                        value = distribute_tensor(value, target.device_mesh, target.placements)
+                    target.copy_(value)
         set_rng_state(state["rng"])
 
     def _frozen_copy(self) -> torch.nn.Module:
