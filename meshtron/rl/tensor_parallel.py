@@ -107,15 +107,19 @@ class TensorParallelEngineBackend:
             self.engine.step_hook = self._broadcast
             try:
                 with gathered_logits(self.model):
-                    gens = self.inner.generate(prompts, sampling)
+                    result: Any = self.inner.generate(prompts, sampling)
+            except Exception as e:  # the followers must not wait for generations that never come
+                result = RuntimeError(f"tensor-parallel rollout failed on the leader: {type(e).__name__}: {e}")
             finally:
                 self.engine.step_hook = None
                 self._broadcast("stop")
-            box: list[Optional[Any]] = [gens]
+            box: list[Optional[Any]] = [result]
         else:
             self._follow()
             box = [None]
         dist.broadcast_object_list(box, src=self.leader, group=self.group)
+        if isinstance(box[0], Exception):
+            raise box[0]
         return box[0]
 
     def _follow(self) -> None:
