@@ -98,22 +98,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(factory, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
 
 
+def _bench_argv(args: argparse.Namespace) -> list[str]:
+    """The benchmark's own arguments: what followed `meshtron bench NAME`, less the `--` main() put there."""
+    return args.rest[1:] if args.rest[:1] == ["--"] else list(args.rest)
+
+
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from meshtron.bench.train_throughput import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(_bench_argv(args))
 
 
 def cmd_bench_mamba(args: argparse.Namespace) -> int:
     from meshtron.bench.mamba import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(_bench_argv(args))
 
 
 def cmd_bench_offload(args: argparse.Namespace) -> int:
     from meshtron.bench.offload import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(_bench_argv(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
