@@ -42,6 +42,7 @@ SHRINK = {
     "--model.num_layers": "1", "--model.hidden_size": "32",
     "--model.num_attention_heads": "4", "--model.num_query_groups": "2", "--model.ffn_hidden_size": "64",
     "--model.max_position_embeddings": "256", "--data.seq_length": "32",
+    "--model.mamba_head_dim": "8", "--model.mamba_state_dim": "16", "--model.mamba_chunk_size": "16",
     "--logger.progress_bar": "off", "--checkpoint.save_interval": "0",
     "--max-new-tokens": "8", "--max-documents": "40", "--kv-cache-memory-mb": "16",
     "--rl.warmup_steps": "2", "--rl.warmup_batch_size": "4", "--rl.prompts_per_step": "2", "--rl.group_size": "2",
