@@ -2,11 +2,16 @@
 (pinned on CUDA) and step on the CPU; the other parameters step on the device as usual.
 
 The host part of a step: gradients device -> host into host buffers, the CPU optimizer steps on
-host copies of those parameters, the new values host -> device. With overlap on CUDA the host
-parameters are cut into chunks, each with its own CPU optimizer: every gradient copy is queued at
-once on a side stream with an event per chunk, and chunk i steps as soon as its event completes,
-while later chunks are still arriving, earlier ones are already copying back, and the device
-optimizer runs on the GPU. Each parameter's update is the same arithmetic as the device
+host copies of those parameters, the new values host -> device. With overlap, each host parameter's
+gradient copy starts during backward, from a post-accumulate-grad hook (on CUDA queued on a side
+stream after the gradient is ready; on the CPU a plain copy); at the step a copy is used if the
+gradient has not changed since (same tensor, same version: no later micro-batch accumulated into it,
+clipping did not scale it), else it is copied again, so results do not depend on it. Parameters
+managed by FSDP/HSDP (DTensors on a data-parallel mesh axis) copy at the step only: their gradient
+shards are written by collectives, which autograd's version counter does not see. On CUDA the host parameters are also cut into chunks, each with its own CPU
+optimizer: the remaining gradient copies are queued on the side stream with an event per chunk,
+and chunk i steps as soon as its event completes, while later chunks are still arriving, earlier
+ones are already copying back, and the device optimizer runs on the GPU. Each parameter's update is the same arithmetic as the device
 optimizer's, so results match it (bit for bit when the device is the CPU).
 
 This is one `torch.optim.Optimizer` over the model's own parameters: the trainer sets the learning
@@ -29,6 +34,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(param: torch.Tensor, in_backward: bool = False) -> Optional[torch.Tensor]:
+    """This rank's part of param's gradient in the parameter's own layout (a tensor-parallel gradient
+    may be Replicate where the parameter is Shard). In backward only a gradient already in that layout
+    is taken (None otherwise: redistributing could need a collective there)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        if in_backward:
+            return None
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
+
+
 class _HostParam:
     """A parameter whose optimizer state is on the host: its host copy (with a gradient buffer)."""
 
@@ -38,6 +55,12 @@ class _HostParam:
         self.master = value.pin_memory() if pin else value
         self.grad_buffer = torch.empty_like(self.master)
         self.seen = self._fingerprint()
+        self.copied: Optional[tuple[torch.Tensor, int]] = None   # (the gradient, its version) copied in backward
+
+    def copy_is_current(self) -> bool:
+        """True if grad_buffer holds (or is queued to receive) the parameter's gradient as it is now."""
+        grad = self.param.grad
+        return self.copied is not None and grad is self.copied[0] and local(grad)._version == self.copied[1]
 
     def _fingerprint(self) -> tuple[int, int]:
         data = local(self.param)
@@ -76,6 +99,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             groups = [[self.host[id(p)].master for p in g["params"] if id(p) in members] for g in self.param_groups]
             self.chunks.append((self._inner(groups), chunk))
         self._stream = torch.cuda.Stream(device=local(params[0]).device) if self.overlap else None
+        # gradient copies start in backward (both devices when overlap is asked for; exercised on the CPU)
+        self.copy_in_backward = overlap
+        self.copy_counts = {"in_backward": 0, "at_step": 0}   # host gradients used per origin, for tests
+        if self.copy_in_backward:
+            for h in self.host.values():
+                if _reduced_by_autograd_only(h.param):
+                    h.param.register_post_accumulate_grad_hook(self._copy_in_backward)
 
     def _inner(self, groups: list[list[torch.Tensor]]) -> Optional[torch.optim.Optimizer]:
         """An optimizer of the configured class over `groups[i]` (group i's parameters); None if empty."""
@@ -117,13 +147,34 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._link_state()
         return loss
 
+    def _copy_in_backward(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: start this parameter's gradient copy to the host now. Fires once
+        per micro-batch; a later accumulation or clipping changes the version and the step copies again."""
+        h = self.host[id(param)]
+        grad = local_grad(param, in_backward=True)
+        if grad is None:
+            return
+        if self._stream is None:
+            h.grad_buffer.copy_(grad)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(self._stream):
+                h.grad_buffer.copy_(grad, non_blocking=True)
+            grad.record_stream(self._stream)
+        h.copied = (param.grad, grad._version)
+
     def _gradients_to_host(self, chunk: list[_HostParam], non_blocking: bool) -> None:
         for h in chunk:
             if h.param.grad is None:
-                h.master.grad = None  # an unused parameter: the optimizer skips it, as on the device
-            else:
-                h.grad_buffer.copy_(local(h.param.grad), non_blocking=non_blocking)
-                h.master.grad = h.grad_buffer
+                h.master.grad, h.copied = None, None  # an unused parameter: the optimizer skips it, as on the device
+                continue
+            if h.copy_is_current():
+                self.copy_counts["in_backward"] += 1
+            else:   # on CUDA queued on the side stream after any copy the hook queued into the same buffer
+                h.grad_buffer.copy_(local_grad(h.param), non_blocking=non_blocking)
+                self.copy_counts["at_step"] += 1
+            h.copied = None
+            h.master.grad = h.grad_buffer
 
     def _step_overlapped(self) -> None:
         stream, main = self._stream, torch.cuda.current_stream()
@@ -147,6 +198,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for _, chunk in self.chunks:
             for h in chunk:
                 h.mark_written()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for h in self.host.values():
+            h.copied = None   # (a skipped step never reached _gradients_to_host) frees the old gradient
 
     # ---- state, shared with the inner optimizers -----------------------------------------------
 
@@ -197,6 +253,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             out[where] += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         out["host_buffers"] = sum(_nbytes(h.master) + _nbytes(h.grad_buffer) for h in self.host.values())
         return out
+
+
+def _reduced_by_autograd_only(p: torch.Tensor) -> bool:
+    """A plain parameter, or one sharded over tensor/expert-parallel axes only: its final gradient is
+    what autograd accumulates (no data-parallel reduction writes into it afterwards)."""
+    if not isinstance(p, DTensor):
+        return True
+    names = p.device_mesh.mesh_dim_names
+    return names is not None and set(names) <= {"tp", "ep"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
