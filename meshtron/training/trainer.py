@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import random
-from contextlib import nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -240,8 +242,34 @@ class Trainer:
         """Sum a per-rank number over the ranks that hold different tokens (dp x cp)."""
         if self.mesh is None:
             return value
-        with self.ranges("communication"):
+        with self._phase("communication"):
             return float(all_reduce_sum(torch.tensor(value, dtype=torch.float64), self.group("dp_cp")))
+
+    @contextmanager
+    def _phase(self, name: str, detail: str = "") -> Iterator[None]:
+        """A named range for the profiler / NVTX (`name`) that is also a watchdog heartbeat
+        (`name` + `detail`, e.g. "forward of micro-batch 1"), so a hang names the phase it is in."""
+        if self.watchdog is not None:
+            self.watchdog.beat(f"{name}{detail}")
+        with self.ranges(name):
+            yield
+
+    @contextmanager
+    def _guard(self, activity: str, step: int, backstop: bool = False) -> Iterator[None]:
+        """Run an activity with collectives (training step, evaluation, checkpoint save, straggler
+        report) so that if a collective fails or times out, the run ends on every rank with the
+        activity, the phase and the ranks that did not arrive named, and every rank's stack dumped
+        (see parallel/watchdog.py). `backstop`: also end it if this rank stalls outside collectives."""
+        if self.watchdog is None:
+            yield
+            return
+        with self.watchdog.activity(activity, step, backstop=backstop):
+            try:
+                yield
+            except TrainingError:
+                raise
+            except RuntimeError as e:  # gloo/NCCL report timeouts and peer failures as RuntimeError
+                raise TrainingError(self.watchdog.collective_failed(e)) from e
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """Accumulate gradients over the micro-batches, clip, and step unless anything is non-finite."""
@@ -261,17 +289,18 @@ class Trainer:
             set_aux_loss_scale(self.model_parts, 1.0 / (len(micro_batches) * self.dims.dp * self.dims.cp))
         with self.timers.phase("forward_backward"):
             if self.pipeline is not None:
-                loss_sum = self.pipeline.train_step(micro_batches, total_tokens, inject_nan=inject)
+                with self._phase("pipeline", " schedule (forward and backward)"):
+                    loss_sum = self.pipeline.train_step(micro_batches, total_tokens, inject_nan=inject)
             else:
                 loss_sum = 0.0
                 extra_sums: dict[str, list[float]] = {}  # MTP (issue 4): name -> [loss sum, tokens]
                 for i, mb in enumerate(micro_batches):
                     with self._loss_context():
-                        with self.ranges("forward"):
+                        with self._phase("forward", f" of micro-batch {i}"):
                             loss, _, extra = self._forward_loss(mb)
                         if i == 0 and inject:
                             loss = loss * float("nan")
-                        with self.ranges("backward"):
+                        with self._phase("backward", f" of micro-batch {i}"):
                             (loss / max(total_tokens, 1.0)).backward()
                     loss_sum += loss.item()
                     for name, (value, count) in extra.items():
@@ -284,10 +313,13 @@ class Trainer:
             self.grad_capture.save()
         with self.timers.phase("optimizer"):
             clip = self.cfg.optimizer.clip_grad if self.cfg.optimizer.clip_grad > 0 else float("inf")
-            grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"))
+            with self._phase("grad_norm"):
+                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"),
+                                            annotate=self.ranges)
             skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
             if not skipped:
-                self.optimizer.step()
+                with self._phase("optimizer"):
+                    self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.has_moe:
             extra_means.update(self._moe_step_metrics())
@@ -297,8 +329,11 @@ class Trainer:
     def _moe_step_metrics(self) -> dict[str, float]:
         """Reduce this step's MoE statistics over the data ranks, update expert biases (every rank the
         same), keep the per-layer details for the "moe" log record, return the summary for the step."""
-        reduce = None if self.mesh is None else (lambda t: all_reduce_sum(t, self.group("dp_cp")))
-        metrics = end_of_step(self.model_parts, reduce)
+        def reduce(value: torch.Tensor) -> torch.Tensor:
+            with self._phase("communication", " (MoE statistics)"):
+                return all_reduce_sum(value, self.group("dp_cp"))
+
+        metrics = end_of_step(self.model_parts, None if self.mesh is None else reduce)
         self.moe_details = {k: v for k, v in metrics.items() if k.startswith(("moe_load_", "moe_dropped_L"))}
         summary = {k: v for k, v in metrics.items() if k not in self.moe_details}
         load_max = [v for k, v in self.moe_details.items() if k.startswith("moe_load_max_")]
@@ -332,17 +367,19 @@ class Trainer:
             part.eval()
         batches = [self._local_micro_batch(mb) for mb in batches]
         if self.pipeline is not None:
-            loss_sum, tokens = self.pipeline.eval_step(batches)
+            with self._phase("pipeline", " forward-only schedule"):
+                loss_sum, tokens = self.pipeline.eval_step(batches)
         else:
             loss_sum = tokens = 0.0
-            for mb in batches:
-                with self._loss_context():
+            for i, mb in enumerate(batches):
+                with self._loss_context(), self._phase("forward", f" of validation batch {i}"):
                     loss, n, _ = self._forward_loss(mb)
                 loss_sum += loss.item()
                 tokens += float(n)
         # every data-parallel rank evaluated the same batches: sum over cp only
         if self.mesh is not None and self.dims.cp > 1:
-            pair = all_reduce_sum(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.group("cp"))
+            with self._phase("communication", " (validation loss over cp)"):
+                pair = all_reduce_sum(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.group("cp"))
             loss_sum, tokens = float(pair[0]), float(pair[1])
         loss = loss_sum / max(tokens, 1.0)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
@@ -381,7 +418,8 @@ class Trainer:
             self._announce(logger)
             self._loop(logger)
             if cfg.checkpoint.save_at_end and (cfg.checkpoint.save_interval == 0 or self.step % cfg.checkpoint.save_interval):
-                self.save()
+                with self._guard("checkpoint save at step", self.step):
+                    self.save()
             self.checkpoints.wait()
         finally:
             self.profiler.close()
@@ -391,20 +429,21 @@ class Trainer:
         return self.history
 
     def _guarded_step(self, batch: list[dict[str, torch.Tensor]]) -> StepResult:
-        """A step whose collectives, if they fail or time out, end the run on every rank with the
-        lagging ranks named and every rank's stack dumped (see parallel/watchdog.py)."""
-        if self.watchdog is None:
+        with self._guard("training step", self.step + 1, backstop=True):
             return self.train_step(batch)
-        self.watchdog.step_started(self.step + 1)
-        try:
-            return self.train_step(batch)
-        except RuntimeError as e:  # gloo/NCCL report timeouts and peer failures as RuntimeError
-            raise TrainingError(self.watchdog.collective_failed(self.step + 1, e)) from e
+
+    def _compute_clock(self) -> float:
+        """The clock the straggler report ranks ranks by. On CPU: this thread's CPU time, which counts
+        the rank's own work but not the time it waits in collectives (gloo waits block, on its own
+        threads) nor time the OS gave to other processes; so the ranking shows the rank that computes
+        slowest instead of noise. On CUDA: wall time (waits included; a profile shows more)."""
+        return time.thread_time() if self.device.type == "cpu" else time.perf_counter()
 
     def _report_stragglers(self, logger: MetricsLogger, seconds: float) -> None:
-        (slow, t_slow), (fast, t_fast) = step_time_extremes(seconds)
-        logger.log(self.step, {"slowest_rank": slow, "slowest_s": t_slow, "fastest_rank": fast, "fastest_s": t_fast},
-                   kind="stragglers")
+        with self._guard("straggler report at step", self.step), self._phase("communication", " (step times)"):
+            (slow, t_slow), (fast, t_fast) = step_time_extremes(seconds)
+        logger.log(self.step, {"slowest_rank": slow, "slowest_s": t_slow, "fastest_rank": fast, "fastest_s": t_fast,
+                               "clock": "cpu_time" if self.device.type == "cpu" else "wall"}, kind="stragglers")
 
     def _announce(self, logger: MetricsLogger) -> None:
         cfg = self.cfg
@@ -427,14 +466,16 @@ class Trainer:
         window_time = 0.0
         first_step = self.step
         while self.step < t.train_iters:
+            clock = self._compute_clock()
             with self.timers.phase("data"):
                 batch = self.loader.next_global_batch()
             with self.profiler.step(self.step + 1):
                 result = self._guarded_step(batch)
+            compute_s = self._compute_clock() - clock
             phases = self.timers.end_step(self.step - first_step - 1)
             interval = self.cfg.parallel.straggler_interval
             if self.mesh is not None and interval and self.step % interval == 0:
-                self._report_stragglers(logger, sum(phases.values()))
+                self._report_stragglers(logger, compute_s)
             self.history.append(result)
             self._account_nonfinite(result, logger)
             window.append(result)
@@ -446,11 +487,13 @@ class Trainer:
                     logger.log(self.step, self.moe_details, kind="moe", echo=False)
                 window, window_time = [], 0.0
             if t.eval_interval and self.step % t.eval_interval == 0:
-                metrics = self.evaluate()
+                with self._guard("evaluation after step", self.step):
+                    metrics = self.evaluate()
                 if metrics is not None:
                     logger.log(self.step, metrics, kind="valid")
             if ck.save_interval and self.step % ck.save_interval == 0:
-                self.save()
+                with self._guard("checkpoint save at step", self.step):
+                    self.save()
         averages = self.timers.averages()
         if averages:
             logger.message("step phases (mean, first step excluded): "
