@@ -268,8 +268,9 @@ def test_distillation_layout_matches_single_process(layout, teacher_checkpoint, 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [{"parallel.pp": "2"},
                                    {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
-                                    "parallel.pp_virtual_stages": "2", "distill.losses": "kl,reverse_kl"}],
-                         ids=["pp2_1f1b", "pp2_interleaved"])
+                                    "parallel.pp_virtual_stages": "2", "distill.losses": "kl,reverse_kl"},
+                                   {"parallel.pp": "2", "parallel.tp": "2"}],
+                         ids=["pp2_1f1b", "pp2_interleaved", "tp2_pp2"])
 def test_pipelined_distillation_matches_single_process(extra, teacher_checkpoint, tmp_path):
     """Teacher (6 sublayers) and student (4) each split into the same number of stages; the logits
     losses in the last stage give the single process's losses, logged terms and parameters."""
@@ -277,9 +278,10 @@ def test_pipelined_distillation_matches_single_process(extra, teacher_checkpoint
                  "distill.layer_pairs": "", "distill.top_k": "8", "train.eval_interval": "3", "train.eval_iters": "1"}
     overrides.update({k: v for k, v in extra.items() if k.startswith("distill.")})
     ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
-    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=300,
+    world = 4 if "parallel.tp" in extra else 2
+    results = run_ranks("tests.distill.test_distill:distill_and_report", world, timeout_s=400,
                         overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
-                                   "parallel.timeout_s": "60"})
+                                   "parallel.timeout_s": "90"})
     assert {"lm_loss", "distill_kl"} <= set(ref["extra"][0])
     merged: dict = {}
     for r in results:
