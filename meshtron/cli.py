@@ -49,7 +49,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     group = parser.add_argument_group("gradient capture (same as --grads.*)")
     group.add_argument("--save-wgrads", dest="grads.save_wgrads", default=argparse.SUPPRESS, metavar="DIR",
-                       help="save the weight gradients of every linear and embedding layer under DIR")
+                       help="save the weight gradients of every linear, embedding, MoE expert and router layer under DIR")
     group.add_argument("--save-dgrads", dest="grads.save_dgrads", default=argparse.SUPPRESS, metavar="DIR",
                        help="save their input/output activation gradients under DIR")
     group.add_argument("--save-grads-interval", dest="grads.interval", default=argparse.SUPPRESS, metavar="N",

@@ -666,7 +666,7 @@ def require_tracker(name: str, module: str):
 class GradsConfig:
     """Gradient capture for comparing runs (--save-wgrads / --save-dgrads; meshtron grads compare)."""
 
-    save_wgrads: Optional[str] = option(None, "Directory for the weight gradients of every linear and embedding layer "
+    save_wgrads: Optional[str] = option(None, "Directory for the weight gradients of every linear, embedding, MoE expert and router layer "
                                               "(full tensors, written by rank 0; also --save-wgrads)")
     save_dgrads: Optional[str] = option(None, "Directory for the input and output activation gradients of those layers "
                                               "(full tensors in global batch order; also --save-dgrads)")
