@@ -13,7 +13,9 @@ Math, with t = tp degree:
   row-parallel (all-reduce, or reduce-scatter along the sequence under SP).
 - Embedding: vocab-parallel (rows split; masked lookup, then all-reduce or reduce-scatter).
 - Output head: column-parallel over the vocabulary; with loss_parallel the logits stay sharded
-  and the cross-entropy reduces max/sum-exp across ranks (no full-vocabulary gather).
+  and the cross-entropy reduces max/sum-exp across ranks (no full-vocabulary gather). With tied
+  embeddings the head is the embedding's own vocabulary shard (one parameter, two uses: its gradient
+  is the sum of both, computed locally on the shard).
 - Sequence parallel: activations outside attention/MLP (norms, dropout, residual adds) are split
   along the sequence; each attention/MLP input is all-gathered and each output reduce-scattered.
 - MoE: every tp rank routes the full (replicated) tokens and runs the routed experts, which are split
@@ -24,9 +26,12 @@ Math, with t = tp degree:
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -62,9 +67,6 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
     if getattr(cfg, "multi_latent_attention", False):
         raise ConfigError("parallel.tp: multi-latent attention has no tensor-parallel plan yet; "
                           "set parallel.tp 1 (use FSDP/PP/CP to scale it)")
-    if cfg.tie_word_embeddings:
-        raise ConfigError("parallel.tp: tied embeddings are not supported with tensor parallelism yet; "
-                          "set model.tie_word_embeddings false or parallel.tp 1")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -83,6 +85,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
                                         use_local_output=not loss_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if getattr(model, "output", "absent") is None and getattr(model, "embedding", None) is not None:
+        # tied embeddings: the head multiplies by this rank's rows of the (vocab-parallel) embedding
+        model.head = partial(_tied_vocab_parallel_head, model, tp_mesh, loss_parallel)
     for layer in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
         parallelize_module(layer, tp_mesh, _sublayer_plan(layer, sequence_parallel))
         if getattr(layer.mixer, "sinks", None) is not None:
@@ -90,6 +95,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
             layer.mixer.sinks = nn.Parameter(distribute_tensor(layer.mixer.sinks.data, tp_mesh, [Shard(0)]))
         if layer.symbol == "M":
             _shard_by_channel(layer.mixer, tp_mesh)
+
+
+def _tied_vocab_parallel_head(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
+                              h: torch.Tensor) -> torch.Tensor:
+    """Logits with the output head tied to the vocab-parallel embedding: rank r holds vocabulary rows
+    [r V/t, (r+1) V/t) of E, and the same shard is its column-parallel head, logits_r = h E_r^T. The
+    hidden states are all-gathered along the sequence first under SP. The embedding's gradient is the
+    sum of the lookup's (rows of the tokens seen) and the head's (h^T dlogits_r), both on the shard."""
+    # h: (batch, seq, hidden), a Shard(1) DTensor under SP, else the same plain tensor on every rank
+    if not isinstance(h, DTensor):
+        h = DTensor.from_local(h, tp_mesh, [Replicate()], run_check=False)
+    logits = nn.functional.linear(h.redistribute(tp_mesh, [Replicate()]), model.embedding.weight)
+    if loss_parallel:
+        return logits  # (batch, seq, vocab) sharded along the vocabulary: vocab-parallel cross-entropy
+    return logits.redistribute(tp_mesh, [Replicate()]).to_local()
 
 
 def _shard_by_channel(mixer: nn.Module, tp_mesh: DeviceMesh) -> None:
