@@ -22,10 +22,11 @@ NUM_BLOCKS = 64
 
 def test_drain_answers_503_then_aborts_what_is_left_with_an_error():
     eng = engine(tiny_model(), num_blocks=NUM_BLOCKS, block_size=4)
-    # each step takes >= 50 ms, so 80 tokens take >= 4 s: far longer than the 0.3 s drain timeout
-    eng.step_hook = lambda kind, *payload: time.sleep(0.05) if kind == "step" else None
+    # each step takes >= 100 ms, so 80 tokens take >= 8 s: far longer than the 2 s drain timeout (which
+    # leaves the checks below time to run while the sockets are still open)
+    eng.step_hook = lambda kind, *payload: time.sleep(0.1) if kind == "step" else None
     port = free_port()
-    server, state = build_server(lambda: eng, "127.0.0.1", port, drain_timeout_s=0.3, log_level="warning")
+    server, state = build_server(lambda: eng, "127.0.0.1", port, drain_timeout_s=2.0, log_level="warning")
     runner = threading.Thread(target=server.run, daemon=True)
     runner.start()
     url = f"http://127.0.0.1:{port}"
@@ -68,11 +69,11 @@ def test_drain_answers_503_then_aborts_what_is_left_with_an_error():
     assert streamed[-1] == "data: [DONE]"
     events = [json.loads(line[5:]) for line in streamed[:-1]]
     assert events[-2]["choices"][0]["finish_reason"] == "abort"
-    assert "drain timeout (0.3 s)" in events[-1]["error"]["message"]
+    assert "drain timeout (2 s)" in events[-1]["error"]["message"]
     generated = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert 0 < len(generated) < 80  # it ran during the drain, and was cut before it finished
     (response,) = answered
-    assert response.status_code == 503 and "drain timeout (0.3 s)" in response.json()["error"]["message"]
+    assert response.status_code == 503 and "drain timeout (2 s)" in response.json()["error"]["message"]
     assert eng.kv.num_free_blocks == NUM_BLOCKS and not eng.has_unfinished_requests()
     assert state.status == "draining"
 
