@@ -48,6 +48,12 @@ LAYOUTS: dict[str, tuple[int, dict[str, str], Optional[str]]] = {
     "hsdp_2x2": (4, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}, None),
     "tp2_fsdp2": (4, {"parallel.tp": "2", "parallel.dp_shard": "2"}, None),
     "pp2": (2, {"parallel.pp": "2", "parallel.pp_schedule": "1f1b"}, "meshtron.parallel.pipeline"),
+    "pp2_interleaved": (2, {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+                            "parallel.pp_virtual_stages": "2"}, "meshtron.parallel.pipeline"),
+    "tp2_pp2": (4, {"parallel.tp": "2", "parallel.pp": "2", "parallel.pp_schedule": "1f1b"},
+                "meshtron.parallel.pipeline"),
+    "pp2_fsdp2": (4, {"parallel.pp": "2", "parallel.pp_schedule": "1f1b", "parallel.dp_shard": "2"},
+                  "meshtron.parallel.pipeline"),
     "cp2": (2, {"parallel.cp": "2"}, "meshtron.parallel.context_parallel"),
 }
 
