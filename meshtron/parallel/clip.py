@@ -44,9 +44,11 @@ def global_grad_norm(parameters: list[torch.nn.Parameter], pp_group=None, annota
 
 
 def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_group=None,
-                    annotate: Annotate = None) -> float:
-    """Clip in place to `max_norm` (inf: measure only); return the global norm before clipping."""
-    norm = global_grad_norm(parameters, pp_group, annotate)
+                    annotate: Annotate = None, duplicates: tuple[torch.nn.Parameter, ...] = ()) -> float:
+    """Clip in place to `max_norm` (inf: measure only); return the global norm before clipping.
+    `duplicates` (a pipeline's copy of a tied embedding) are clipped but left out of the norm."""
+    skip = {id(p) for p in duplicates}
+    norm = global_grad_norm([p for p in parameters if id(p) not in skip], pp_group, annotate)
     if math.isfinite(max_norm) and math.isfinite(float(norm)):
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:

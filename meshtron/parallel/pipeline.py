@@ -21,6 +21,7 @@ runs inside `loss_parallel()` so both the cross-entropy and its backward reduce 
 from __future__ import annotations
 
 from contextlib import ExitStack
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,13 +35,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from meshtron.compat import during_pipeline_shape_inference
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import RunConfig
 from meshtron.nn.loss import masked_cross_entropy
 from meshtron.nn.moe.balance import moe_bookkeeping_paused
-from meshtron.parallel.dims import NamedMesh, ParallelDims
+from meshtron.parallel.dims import NamedMesh, ParallelDims, backend_options
 from meshtron.parallel.pipeline_eval import forward_only
 from meshtron.parallel.pipeline_stages import (
     PipelineStageModule,
@@ -72,9 +74,16 @@ def check_pipeline_config(cfg: RunConfig, dims: ParallelDims) -> None:
     """One-line ConfigErrors for what the pipeline cannot run (the split is checked by split_layers)."""
     p, m = cfg.parallel, num_micro_batches(cfg, dims)
     v = p.pp_virtual_stages
-    if cfg.model.tie_word_embeddings:
-        raise ConfigError("model.tie_word_embeddings: tied embeddings are not supported with parallel.pp > 1 (the "
-                          "embedding and the head are on different stages); set it false or parallel.pp 1")
+    if cfg.model.tie_word_embeddings and dims.tp > 1:
+        raise ConfigError("model.tie_word_embeddings: tied embeddings with both parallel.tp > 1 and parallel.pp > 1 "
+                          "are not supported yet; set it false, or use tp or pp alone")
+    _, style = schedule_class(p.pp_schedule, v)
+    num_stages = dims.pp * v
+    if cfg.model.tie_word_embeddings and rank_of_stage(0, dims.pp, num_stages, style) == rank_of_stage(
+            num_stages - 1, dims.pp, num_stages, style):
+        raise ConfigError(f"model.tie_word_embeddings: tied embeddings are not supported with the {p.pp_schedule} "
+                          "schedule, which puts the first and last stage on one rank; set it false or use "
+                          "pp_schedule 1f1b, gpipe or interleaved_1f1b")
     if dims.cp > 1:
         raise ConfigError("parallel.cp: context parallelism together with parallel.pp > 1 is not supported yet; "
                           "set parallel.cp 1 or parallel.pp 1")
@@ -113,6 +122,7 @@ class Pipeline:
         self._batches: list[dict[str, torch.Tensor]] = []
         self._loss_scale, self._inject_nan = 1.0, False
         self._loss_sums: dict[int, torch.Tensor] = {}
+        self.tied_group = None  # first/last-stage pair of a tied embedding (build_pipeline sets it)
 
     # ---- the two entry points the trainer calls -----------------------------------------------
 
@@ -125,6 +135,7 @@ class Pipeline:
         args, kwargs, target = self._schedule_inputs(micro_batches)
         with self._contexts():
             schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        self._sum_tied_gradients()
         loss_sum = self._broadcast_loss_sum(len(micro_batches))
         self._batches = []
         return loss_sum
@@ -191,6 +202,22 @@ class Pipeline:
             loss = loss * float("nan")
         self._loss_sums[i] = loss.detach()
         return loss * self._loss_scale
+
+    def tied_copies(self) -> list[torch.nn.Parameter]:
+        """The last stage's copy of a tied embedding (counted once by the gradient norm)."""
+        return [part.embedding.weight for part in self.parts if part.tied_copy]
+
+    def _sum_tied_gradients(self) -> None:
+        """Tied embeddings: the first stage's embedding and the last stage's copy are one parameter of
+        the single-process model, whose gradient is the sum of both uses; all-reduce their gradients
+        over the first/last pair so both copies take the same optimizer step."""
+        if self.tied_group is None:
+            return
+        for part in self.parts:
+            if part.is_first or part.tied_copy:
+                grad = part.embedding.weight.grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                dist.all_reduce(local, group=self.tied_group)
 
     def _broadcast_loss_sum(self, n: int) -> float:
         value = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -259,4 +286,24 @@ def build_pipeline(model: nn.Module, mesh: NamedMesh, dims: ParallelDims, cfg: R
     _, style = schedule_class(p.pp_schedule, p.pp_virtual_stages)
     stage_ids = stages_of_rank(mesh["pp"].get_local_rank(), dims.pp, num_stages, style)
     parts = build_stage_modules(model, ranges, stage_ids)
-    return Pipeline(parts, stage_ids, num_stages, style, mesh, cfg, device)
+    pipeline = Pipeline(parts, stage_ids, num_stages, style, mesh, cfg, device)
+    if cfg.model.tie_word_embeddings:
+        pipeline.tied_group = _first_last_group(mesh, dims, num_stages, style, p.timeout_s)
+    return pipeline
+
+
+def _first_last_group(mesh: NamedMesh, dims: ParallelDims, num_stages: int, style: str, timeout_s: float):
+    """This rank's group of the ranks holding the first and the last stage of its pipeline (None if it
+    holds neither). Every rank creates every pair's group, in the same order."""
+    root = mesh.root
+    pp_axis = root.mesh_dim_names.index("pp")
+    pipelines = root.mesh.movedim(pp_axis, -1).reshape(-1, dims.pp)  # one row of global ranks per pipeline
+    first, last = rank_of_stage(0, dims.pp, num_stages, style), rank_of_stage(num_stages - 1, dims.pp, num_stages, style)
+    backend, options = backend_options(root.device_type, timeout_s)
+    mine = None
+    for row in pipelines.tolist():
+        pair = [row[first], row[last]]
+        group = dist.new_group(pair, backend=backend, pg_options=options, timeout=timedelta(seconds=timeout_s))
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

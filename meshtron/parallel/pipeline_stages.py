@@ -84,6 +84,12 @@ class PipelineStageModule(nn.Module):
         self.final_norm = model.final_norm if is_last else None
         self.output = model.output if is_last else None
         self.is_first, self.is_last = is_first, is_last
+        # tied embeddings: the last stage keeps its own copy of the embedding (same name and initial
+        # values) for the head; the pipeline sums the two copies' gradients before every optimizer
+        # step, so they stay equal (Megatron's tied-embedding all-reduce over the first/last pair)
+        self.tied_copy = is_last and not is_first and model.output is None
+        if self.tied_copy:
+            self.embedding = copy.deepcopy(model.embedding)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -94,8 +100,15 @@ class PipelineStageModule(nn.Module):
         for layer in self.layers.values():
             h = layer(h, ctx)
         if self.is_last:
-            return self.output(self.final_norm(h))
+            return self.head(self.final_norm(h))
         return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Normalised hidden states -> logits; the tied head multiplies by the embedding (TP replaces
+        this method with the vocab-parallel version, parallel/tensor_parallel.py)."""
+        if self.output is None:
+            return nn.functional.linear(h, self.embedding.weight)
+        return self.output(h)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embedding(tokens)

@@ -314,8 +314,8 @@ class Trainer:
         with self.timers.phase("optimizer"):
             clip = self.cfg.optimizer.clip_grad if self.cfg.optimizer.clip_grad > 0 else float("inf")
             with self._phase("grad_norm"):
-                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"),
-                                            annotate=self.ranges)
+                grad_norm = clip_grad_norm_(list(self.model.parameters()), clip, self.group("pp"), annotate=self.ranges,
+                                            duplicates=tuple(self.pipeline.tied_copies()) if self.pipeline else ())
             skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
             if not skipped:
                 with self._phase("optimizer"):

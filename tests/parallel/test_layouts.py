@@ -32,9 +32,16 @@ LAYOUTS = {
     "tp2_tied": (2, {"parallel.tp": "2", "parallel.sequence_parallel": "false", "parallel.loss_parallel": "false",
                      "model.tie_word_embeddings": "true"}),
     "tp2_fsdp2_tied": (4, {"parallel.tp": "2", "parallel.dp_shard": "2", "model.tie_word_embeddings": "true"}),
+    # pipeline with tied embeddings: the last stage's copy, gradients summed over the first/last pair
+    "pp2_tied": (2, {"parallel.pp": "2", "parallel.pp_schedule": "1f1b", "model.tie_word_embeddings": "true"}),
+    "pp2_fsdp2_tied": (4, {"parallel.dp_shard": "2", "parallel.pp": "2", "parallel.pp_schedule": "1f1b",
+                           "model.tie_word_embeddings": "true"}),
+    "pp4_tied": (4, {"parallel.pp": "4", "parallel.pp_schedule": "1f1b", "model.tie_word_embeddings": "true"}),
+    "pp2_interleaved_tied": (2, {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+                                 "parallel.pp_virtual_stages": "2", "model.tie_word_embeddings": "true"}),
     "tp2_sinks_window": (2, {"parallel.tp": "2", "model.softmax_type": "learnable", "model.window_size": "8"}),
 }
-DEFAULT = {"tp2_sp", "fsdp2", "tp2_fsdp2", "tp2_sp_tied"}
+DEFAULT = {"tp2_sp", "fsdp2", "tp2_fsdp2", "tp2_sp_tied", "pp2_tied"}
 
 
 MODEL_KEYS = ("model.",)
@@ -124,3 +131,4 @@ def test_bf16_mixed_precision_under_fsdp(reference, tmp_path):
         assert r["state_dtypes"] == {"torch.float32"}
         assert r["losses"] == pytest.approx(reference[0], abs=2e-2, rel=0)
         assert r["losses"] != pytest.approx(reference[0], abs=1e-6, rel=0)  # bf16 really computed
+

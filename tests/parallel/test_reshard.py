@@ -106,3 +106,19 @@ def test_cp2_checkpoint_resumes_in_one_process(saved, tmp_path):
               overrides={**COMMON, "train.train_iters": "3", "parallel.cp": "2", "checkpoint.save_at_end": "true",
                          "checkpoint.save": str(ck), "train.run_dir": str(tmp_path / "cp2")})
     resumed((ref_losses, ck), tmp_path, 1, {})
+
+
+@pytest.mark.slow
+def test_pp2_tied_checkpoint_resumes_in_one_process(tmp_path):
+    """Tied embeddings under PP2: both stages hold `embedding.weight` (the last stage's copy), saved once;
+    the checkpoint resumes in one process (one tied matrix) with the uninterrupted losses."""
+    tied = {**COMMON, "model.tie_word_embeddings": "true"}
+    ref = [r.loss for r in Trainer(load_config(overrides={**tied, "train.run_dir": str(tmp_path / "ref")},
+                                               world_size=1)).train()]
+    ck = tmp_path / "ck_pp2"
+    run_ranks("meshtron.testing.parity:train_and_report", 2, timeout_s=240,
+              overrides={**tied, "train.train_iters": "3", "parallel.pp": "2", "checkpoint.save_at_end": "true",
+                         "checkpoint.save": str(ck), "train.run_dir": str(tmp_path / "pp2")})
+    overrides = {**tied, "checkpoint.load": str(ck), "train.run_dir": str(tmp_path / "run")}
+    losses = [r.loss for r in Trainer(load_config(overrides=overrides, world_size=1)).train()]
+    assert losses == pytest.approx(ref[3:], abs=1e-6, rel=0)
