@@ -14,6 +14,8 @@ interleaved schedules); "v" runs down the ranks and back up, so rank r holds sta
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
 import torch
@@ -90,18 +92,21 @@ class PipelineStageModule(nn.Module):
         self.tied_copy = is_last and not is_first and model.output is None
         if self.tied_copy:
             self.embedding = copy.deepcopy(model.embedding)
+        # `annotate(name)`: a context manager around the stage's forward (the trainer's profiler / NVTX ranges)
+        self.annotate: Callable[[str], AbstractContextManager] = lambda name: nullcontext()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ctx = PackedContext(positions=positions, document_ids=document_ids)
-        h = self.embed(x, positions) if self.is_first else x
-        if self.rotary is not None:
-            ctx.rope = self.rotary(positions)
-        for layer in self.layers.values():
-            h = layer(h, ctx)
-        if self.is_last:
-            return self.head(self.final_norm(h))
-        return h
+        with self.annotate("forward"):
+            ctx = PackedContext(positions=positions, document_ids=document_ids)
+            h = self.embed(x, positions) if self.is_first else x
+            if self.rotary is not None:
+                ctx.rope = self.rotary(positions)
+            for layer in self.layers.values():
+                h = layer(h, ctx)
+            if self.is_last:
+                return self.head(self.final_norm(h))
+            return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Normalised hidden states -> logits; the tied head multiplies by the embedding (TP replaces

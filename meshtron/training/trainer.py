@@ -176,6 +176,8 @@ class Trainer:
 
             self.pipeline = build_pipeline(model, self.mesh, self.dims, cfg, self.device)
             parts = self.pipeline.parts
+            for part in parts:
+                part.annotate = self.ranges  # "forward" ranges of each stage inside the schedule
         else:
             parts = [model]
         parallelize_parts(parts, self.dims, self.mesh, cfg)

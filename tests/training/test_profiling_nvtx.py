@@ -73,3 +73,23 @@ def test_trainer_nvtx_ranges_under_fsdp(tmp_path):
         assert {"data", "forward_backward", "optimizer", "grad_norm", "communication"} <= set(pushed)
         assert pushed.count("communication") >= 2 * 3
         assert depth >= 2  # forward inside forward_backward
+
+
+def test_trainer_nvtx_ranges_under_pipeline(tmp_path):
+    """PP2 (1f1b): every stage's forward of every micro-batch is a "forward" range inside the schedule's
+    "pipeline" range (backward runs inside the schedule, under "pipeline")."""
+    overrides = {**BASE, "parallel.pp": "2", "parallel.pp_schedule": "1f1b", "train.train_iters": "2",
+                 "profile.nvtx": "true", "train.run_dir": str(tmp_path / "run"), "parallel.timeout_s": "60"}
+    for events in run_ranks("tests.training.test_profiling_nvtx:nvtx_names_of_training", 2, timeout_s=180,
+                            overrides=overrides):
+        stack, forwards_in_pipeline = [], 0
+        for kind, name in events:
+            if kind == "push":
+                forwards_in_pipeline += name == "forward" and "pipeline" in stack
+                stack.append(name)
+            else:
+                stack.pop()
+        assert stack == []
+        # 2 steps x 4 micro-batches per stage (the first step's shape inference may add one)
+        assert forwards_in_pipeline >= 2 * 4
+        assert "communication" in [name for _, name in events]
