@@ -408,7 +408,8 @@ class ParallelConfig:
         "none", "Recompute activations in backward: every sublayer (full) or attention and Mamba sublayers only (selective)")
     compile: bool = option(False, "torch.compile each sublayer")
     timeout_s: float = option(600.0, "Timeout of every collective and process group, in seconds")
-    straggler_interval: int = option(0, "Every N steps log the slowest and fastest ranks by step time (0: off)")
+    straggler_interval: int = option(0, "Every N steps log the slowest and fastest ranks by step time (CPU time of the "
+                                      "training thread on CPU, wall time on CUDA; 0: off)")
 
     def validate(self) -> None:
         for name in ("dp_replicate", "cp", "tp", "pp", "ep", "pp_virtual_stages"):
