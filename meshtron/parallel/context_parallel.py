@@ -70,15 +70,23 @@ class ContextParallel:
     def context(self, mb: dict[str, torch.Tensor]) -> CPContext:
         """The context of a micro-batch already cut by `shard_batch` (collective over cp when it has document ids)."""
         tokens = mb["input_ids"]
-        seq_len = tokens.shape[1] * self.size
-        segments = self.segments(seq_len)
-        docs = mb.get("document_ids")
-        layout = RingLayout(self.group, self.rank, self.size, segments,
-                            None if docs is None else self._gather(docs))
         positions = mb.get("position_ids")
         if positions is None:
-            positions = global_indices(segments[self.rank], tokens.device).expand(tokens.shape[0], -1)
-        return CPContext(positions=positions, document_ids=docs, layout=layout)
+            positions = self.global_positions(tokens.shape[0], tokens.shape[1], tokens.device)
+        return self.context_for(positions, mb.get("document_ids"))
+
+    def global_positions(self, batch: int, local_len: int, device: torch.device) -> torch.Tensor:
+        """(batch, local_len) global positions of this rank's tokens (an unpacked sample's positions)."""
+        segments = cp_segments(self.rank, self.size, local_len * self.size, self.load_balance)
+        return global_indices(segments, device).expand(batch, -1).contiguous()
+
+    def context_for(self, positions: torch.Tensor, document_ids: Optional[torch.Tensor]) -> CPContext:
+        """The context of this rank's tokens from their (batch, local_len) positions and document ids (a
+        pipeline stage gets only these; collective over cp when there are document ids)."""
+        segments = self.segments(positions.shape[1] * self.size)
+        layout = RingLayout(self.group, self.rank, self.size, segments,
+                            None if document_ids is None else self._gather(document_ids))
+        return CPContext(positions=positions, document_ids=document_ids, layout=layout)
 
     def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Every cp rank's (batch, local_len) tensor, in rank order."""

@@ -84,9 +84,6 @@ def check_pipeline_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"model.tie_word_embeddings: tied embeddings are not supported with the {p.pp_schedule} "
                           "schedule, which puts the first and last stage on one rank; set it false or use "
                           "pp_schedule 1f1b, gpipe or interleaved_1f1b")
-    if dims.cp > 1:
-        raise ConfigError("parallel.cp: context parallelism together with parallel.pp > 1 is not supported yet; "
-                          "set parallel.cp 1 or parallel.pp 1")
     if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
         raise ConfigError(f"parallel.pp_virtual_stages: {v} is not allowed with pp_schedule {p.pp_schedule} (one stage "
                           "per rank); set it to 1 or use pp_schedule interleaved_1f1b or zero_bubble")
@@ -123,6 +120,16 @@ class Pipeline:
         self._loss_scale, self._inject_nan = 1.0, False
         self._loss_sums: dict[int, torch.Tensor] = {}
         self.tied_group = None  # first/last-stage pair of a tied embedding (build_pipeline sets it)
+        self.context_parallel = None
+        if mesh["cp"].size() > 1:
+            # every micro-batch reaching the pipeline is already cut to this cp rank's tokens (the trainer's
+            # shard_batch); each stage runs ring attention over cp, and the hidden states sent between
+            # stages are those cp-local tokens
+            from meshtron.parallel.context_parallel import ContextParallel
+
+            self.context_parallel = ContextParallel(mesh["cp"], load_balance=cfg.parallel.cp_load_balance)
+            for part in parts:
+                part.context_parallel = self.context_parallel
 
     # ---- the two entry points the trainer calls -----------------------------------------------
 
@@ -145,7 +152,7 @@ class Pipeline:
         self._begin(batches, 1.0, False)
         with torch.no_grad(), self._contexts():
             forward_only(self.parts, self.stage_ids, self.num_stages, self.rank_of, self.group, self.device, batches,
-                         _stage_kwargs, self._micro_batch_loss)
+                         self._stage_kwargs, self._micro_batch_loss)
         _reshard(self.parts)  # FSDP parameters kept gathered by forward (zero-bubble, ZeRO-2) are freed
         num_tokens = sum(float(mb["loss_mask"].sum()) for mb in batches)
         loss_sum = self._broadcast_loss_sum(len(batches))
@@ -178,11 +185,14 @@ class Pipeline:
         the first stage, positions (and document ids) for every stage, and as the loss target the
         micro-batch index, with which the loss function finds its labels and loss mask."""
         tokens = torch.cat([mb["input_ids"] for mb in batches])
-        per_batch = [_stage_kwargs(mb) for mb in batches]
+        per_batch = [self._stage_kwargs(mb) for mb in batches]
         kwargs = {k: torch.cat([kw[k] for kw in per_batch]) for k in per_batch[0]}
         args = (tokens,) if 0 in self.stage_ids else ()
         target = torch.arange(len(batches), device=tokens.device)
         return args, kwargs, target
+
+    def _stage_kwargs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _stage_kwargs(mb, self.context_parallel)
 
     def _loss_fn(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: `index` holds the micro-batch index (the target we gave it). Also
@@ -264,13 +274,17 @@ def _keep_gathered_until_backward(parts: list[nn.Module]) -> None:
             part.set_reshard_after_forward(False, recurse=True)
 
 
-def _stage_kwargs(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _stage_kwargs(mb: dict[str, torch.Tensor], context_parallel=None) -> dict[str, torch.Tensor]:
     """Keyword inputs of every stage for one micro-batch: (batch, seq) positions, the sample's own
-    (restarted at document starts) or 0..seq-1, and the document ids of packed samples."""
+    (restarted at document starts) or 0..seq-1, and the document ids of packed samples. Under context
+    parallelism the micro-batch holds this cp rank's tokens and the default positions are their global ones."""
     positions = mb.get("position_ids")
     if positions is None:
         batch, seq = mb["input_ids"].shape
-        positions = torch.arange(seq, device=mb["input_ids"].device).expand(batch, seq).contiguous()
+        if context_parallel is not None:
+            positions = context_parallel.global_positions(batch, seq, mb["input_ids"].device)
+        else:
+            positions = torch.arange(seq, device=mb["input_ids"].device).expand(batch, seq).contiguous()
     if mb.get("document_ids") is None:
         return {"positions": positions}
     return {"positions": positions, "document_ids": mb["document_ids"]}

@@ -69,7 +69,8 @@ class PipelineStageModule(nn.Module):
     of packed samples) as keyword inputs, so RoPE and document masks are right on every stage.
 
     forward(x, positions, document_ids=None):
-        first stage: x = tokens (batch, seq) long; otherwise x = hidden (batch, seq or seq/tp, hidden)
+        first stage: x = tokens (batch, seq) long; otherwise x = hidden (batch, seq, hidden), where seq is
+        this cp rank's tokens under context parallelism and their 1/tp part under sequence parallelism
         returns hidden states, or logits (batch, seq, vocab) on the last stage.
     """
 
@@ -92,13 +93,19 @@ class PipelineStageModule(nn.Module):
         self.tied_copy = is_last and not is_first and model.output is None
         if self.tied_copy:
             self.embedding = copy.deepcopy(model.embedding)
+        # context parallel (set by the pipeline when parallel.cp > 1): the stage's tokens are this cp
+        # rank's part of the sequence and its attention is ring attention over cp
+        self.context_parallel = None
         # `annotate(name)`: a context manager around the stage's forward (the trainer's profiler / NVTX ranges)
         self.annotate: Callable[[str], AbstractContextManager] = lambda name: nullcontext()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         with self.annotate("forward"):
-            ctx = PackedContext(positions=positions, document_ids=document_ids)
+            if self.context_parallel is not None:
+                ctx = self.context_parallel.context_for(positions, document_ids)
+            else:
+                ctx = PackedContext(positions=positions, document_ids=document_ids)
             h = self.embed(x, positions) if self.is_first else x
             if self.rotary is not None:
                 ctx.rope = self.rotary(positions)

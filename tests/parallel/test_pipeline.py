@@ -42,6 +42,10 @@ LAYOUTS = {
     "tp2_pp2_interleaved": (4, {**PP2, "parallel.tp": "2", "parallel.pp_schedule": "interleaved_1f1b",
                                 "parallel.pp_virtual_stages": "2"}),
     "tp2_pp2_fsdp2": (8, {**PP2, "parallel.tp": "2", "parallel.dp_shard": "2"}),
+    # context parallel inside the stages: cp-local (zig-zag) hidden states flow between stages
+    "cp2_pp2": (4, {**PP2, "parallel.cp": "2"}),
+    "cp2_pp2_interleaved": (4, {**PP2, "parallel.cp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+                                "parallel.pp_virtual_stages": "2"}),
 }
 DEFAULT = {"pp2_1f1b", "tp2_pp2"}
 
@@ -96,11 +100,14 @@ def test_pipeline_matches_single_process(layout, references, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [{"parallel.pp_schedule": "1f1b"},
-                                   {"parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual_stages": "2"}],
-                         ids=["1f1b", "zero_bubble_v"])
+                                   {"parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual_stages": "2"},
+                                   {"parallel.pp_schedule": "1f1b", "parallel.cp": "2"}],
+                         ids=["1f1b", "zero_bubble_v", "1f1b_cp2"])
 def test_packed_documents_reach_every_stage(extra, references, tmp_path):
-    """Document masks and restarted positions are used by later stages too (they get them as inputs)."""
-    check_against(run_layout(2, {**BASE, **PACKED, **PP2, **extra}, tmp_path), references(PACKED))
+    """Document masks and restarted positions are used by later stages too (they get them as inputs;
+    under cp every stage gathers the document ids of the whole sequence for its ring attention)."""
+    world = 2 * int(extra.get("parallel.cp", "1"))
+    check_against(run_layout(world, {**BASE, **PACKED, **PP2, **extra}, tmp_path), references(PACKED))
 
 
 @pytest.mark.slow
@@ -191,7 +198,6 @@ def test_split_errors_are_one_line(sublayers, stages, first, last, field):
     (2, {"model.tie_word_embeddings": "true", "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual_stages": "2"},
      "model.tie_word_embeddings"),
     (4, {"model.tie_word_embeddings": "true", "parallel.tp": "2"}, "model.tie_word_embeddings"),
-    (4, {"parallel.cp": "2"}, "parallel.cp"),
     (2, {"parallel.pp_schedule": "zero_bubble", "parallel.compile": "true"}, "parallel.compile"),
 ])
 def test_invalid_pipeline_settings_are_one_line(world, extra, field):
