@@ -74,9 +74,6 @@ def check_pipeline_config(cfg: RunConfig, dims: ParallelDims) -> None:
     """One-line ConfigErrors for what the pipeline cannot run (the split is checked by split_layers)."""
     p, m = cfg.parallel, num_micro_batches(cfg, dims)
     v = p.pp_virtual_stages
-    if cfg.model.tie_word_embeddings and dims.tp > 1:
-        raise ConfigError("model.tie_word_embeddings: tied embeddings with both parallel.tp > 1 and parallel.pp > 1 "
-                          "are not supported yet; set it false, or use tp or pp alone")
     _, style = schedule_class(p.pp_schedule, v)
     num_stages = dims.pp * v
     if cfg.model.tie_word_embeddings and rank_of_stage(0, dims.pp, num_stages, style) == rank_of_stage(
@@ -220,12 +217,19 @@ class Pipeline:
     def _sum_tied_gradients(self) -> None:
         """Tied embeddings: the first stage's embedding and the last stage's copy are one parameter of
         the single-process model, whose gradient is the sum of both uses; all-reduce their gradients
-        over the first/last pair so both copies take the same optimizer step."""
+        over the first/last pair so both copies take the same optimizer step. Under TP both copies are
+        the same vocabulary shard, but the lookup's backward may leave the first stage's gradient
+        replicated (full vocabulary): each side's gradient is first laid out like its parameter, so
+        the pair reduces matching shards."""
         if self.tied_group is None:
             return
         for part in self.parts:
             if part.is_first or part.tied_copy:
-                grad = part.embedding.weight.grad
+                weight = part.embedding.weight
+                grad = weight.grad
+                if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(weight.placements):
+                    grad = grad.redistribute(weight.device_mesh, weight.placements)
+                    weight.grad = grad
                 local = grad.to_local() if isinstance(grad, DTensor) else grad
                 dist.all_reduce(local, group=self.tied_group)
 

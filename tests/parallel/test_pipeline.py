@@ -47,7 +47,7 @@ LAYOUTS = {
     "cp2_pp2_interleaved": (4, {**PP2, "parallel.cp": "2", "parallel.pp_schedule": "interleaved_1f1b",
                                 "parallel.pp_virtual_stages": "2"}),
 }
-DEFAULT = {"pp2_1f1b", "tp2_pp2"}
+DEFAULT = {"pp2_1f1b", "tp2_pp2", "cp2_pp2"}
 
 
 def train_and_evaluate(rank: int, world_size: int, overrides: dict[str, str]) -> dict:
@@ -96,6 +96,24 @@ def run_layout(world: int, overrides: dict[str, str], tmp_path) -> list[dict]:
 def test_pipeline_matches_single_process(layout, references, tmp_path):
     world, extra = LAYOUTS[layout]
     check_against(run_layout(world, {**BASE, **extra}, tmp_path), references({}))
+
+
+TIED = {"model.tie_word_embeddings": "true"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [{"parallel.tp": "2"},
+                                   {"parallel.tp": "2", "parallel.sequence_parallel": "false",
+                                    "parallel.loss_parallel": "false"},
+                                   {"parallel.tp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+                                    "parallel.pp_virtual_stages": "2"},
+                                   {"parallel.tp": "2", "parallel.dp_shard": "2"}],
+                         ids=["tp2_pp2", "tp2_pp2_no_sp", "tp2_pp2_interleaved", "tp2_pp2_fsdp2"])
+def test_tied_embeddings_with_tp_and_pp(extra, references, tmp_path):
+    """Tied embeddings under TP2 x PP2: the first stage's vocab-parallel embedding shard and the last
+    stage's copy of the same shard have their gradients summed over the first/last pair."""
+    world = 4 * int(extra.get("parallel.dp_shard", "1"))
+    check_against(run_layout(world, {**BASE, **TIED, **PP2, **extra}, tmp_path), references(TIED))
 
 
 @pytest.mark.slow
@@ -194,10 +212,9 @@ def test_split_errors_are_one_line(sublayers, stages, first, last, field):
     (4, {"parallel.pp": "4", "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual_stages": "2",
          "train.global_batch_size": "18"}, "train.global_batch_size"),
     (2, {"parallel.pp_schedule": "zero_bubble", "train.global_batch_size": "10"}, "train.global_batch_size"),
-    # tied embeddings need the first and last stage on different ranks (ZB-V puts both on rank 0), and no tp
+    # tied embeddings need the first and last stage on different ranks (ZB-V puts both on rank 0)
     (2, {"model.tie_word_embeddings": "true", "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual_stages": "2"},
      "model.tie_word_embeddings"),
-    (4, {"model.tie_word_embeddings": "true", "parallel.tp": "2"}, "model.tie_word_embeddings"),
     (2, {"parallel.pp_schedule": "zero_bubble", "parallel.compile": "true"}, "parallel.compile"),
 ])
 def test_invalid_pipeline_settings_are_one_line(world, extra, field):
