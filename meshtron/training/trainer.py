@@ -178,6 +178,7 @@ class Trainer:
             parts = self.pipeline.parts
             for part in parts:
                 part.annotate = self.ranges  # "forward" ranges of each stage inside the schedule
+            self.extend_stages(parts)
         else:
             parts = [model]
         parallelize_parts(parts, self.dims, self.mesh, cfg)
@@ -196,6 +197,10 @@ class Trainer:
     def extend_model(self, model: GPTModel) -> None:
         """Extension point: add trainable modules to the full model before it is split, sharded and
         given to the optimizer (distillation attaches its projections here). Default: nothing."""
+
+    def extend_stages(self, parts: list[torch.nn.Module]) -> None:
+        """Extension point under pipeline parallelism: place what `extend_model` added onto this rank's
+        stage modules, after the split and before sharding and the optimizer. Default: nothing."""
 
     # ---- one optimizer step -------------------------------------------------------------------
 
@@ -320,7 +325,7 @@ class Trainer:
                                             duplicates=tuple(self.pipeline.tied_copies()) if self.pipeline else ())
             skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
             if not skipped:
-                with self._phase("optimizer"):
+                with self._phase("optimizer_step"):  # inside the timers' "optimizer" range (grad norm + step)
                     self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.has_moe:
