@@ -107,12 +107,16 @@ TIED = {"model.tie_word_embeddings": "true"}
                                     "parallel.loss_parallel": "false"},
                                    {"parallel.tp": "2", "parallel.pp_schedule": "interleaved_1f1b",
                                     "parallel.pp_virtual_stages": "2"},
-                                   {"parallel.tp": "2", "parallel.dp_shard": "2"}],
-                         ids=["tp2_pp2", "tp2_pp2_no_sp", "tp2_pp2_interleaved", "tp2_pp2_fsdp2"])
-def test_tied_embeddings_with_tp_and_pp(extra, references, tmp_path):
-    """Tied embeddings under TP2 x PP2: the first stage's vocab-parallel embedding shard and the last
-    stage's copy of the same shard have their gradients summed over the first/last pair."""
-    world = 4 * int(extra.get("parallel.dp_shard", "1"))
+                                   {"parallel.tp": "2", "parallel.dp_shard": "2"},
+                                   {"parallel.cp": "2"},
+                                   {"parallel.tp": "2", "parallel.cp": "2"}],
+                         ids=["tp2_pp2", "tp2_pp2_no_sp", "tp2_pp2_interleaved", "tp2_pp2_fsdp2", "cp2_pp2",
+                              "tp2_cp2_pp2"])
+def test_tied_embeddings_with_tp_or_cp_and_pp(extra, references, tmp_path):
+    """Tied embeddings under TP2 x PP2 (and CP x PP): the first stage's vocab-parallel embedding shard
+    and the last stage's copy of the same shard have their gradients summed over the first/last pair."""
+    world = 2 * int(extra.get("parallel.tp", "1")) * int(extra.get("parallel.dp_shard", "1")) * int(
+        extra.get("parallel.cp", "1"))
     check_against(run_layout(world, {**BASE, **TIED, **PP2, **extra}, tmp_path), references(TIED))
 
 
