@@ -92,7 +92,10 @@ class PipelineStageModule(nn.Module):
         # step, so they stay equal (Megatron's tied-embedding all-reduce over the first/last pair)
         self.tied_copy = is_last and not is_first and model.output is None
         if self.tied_copy:
-            self.embedding = copy.deepcopy(model.embedding)
+            # the weight is cloned, not deep-copied: a clone of a fake tensor (meshtron plan) stays in its mode
+            weight = model.embedding.weight
+            fresh = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+            self.embedding = copy.deepcopy(model.embedding, memo={id(weight): fresh})
         # context parallel (set by the pipeline when parallel.cp > 1): the stage's tokens are this cp
         # rank's part of the sequence and its attention is ring attention over cp
         self.context_parallel = None
