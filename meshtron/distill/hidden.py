@@ -25,6 +25,15 @@ def resolve_index(index: int, num_sublayers: int, what: str) -> int:
     return resolved
 
 
+def whole_sequence(h: torch.Tensor, seq_mesh=None) -> torch.Tensor:
+    """A sublayer's output as a whole (batch, seq, width) tensor (gathered with autograd if sharded)."""
+    if isinstance(h, DTensor):
+        return h.full_tensor()
+    if seq_mesh is not None:
+        return DTensor.from_local(h, seq_mesh, [Shard(1)]).full_tensor()
+    return h
+
+
 class HiddenCapture:
     """Keeps the outputs of `model.layers[i]` for the given indices during each forward."""
 
@@ -45,11 +54,7 @@ class HiddenCapture:
         return out
 
     def _whole(self, h: torch.Tensor) -> torch.Tensor:
-        if isinstance(h, DTensor):
-            return h.full_tensor()
-        if self.seq_mesh is not None:
-            return DTensor.from_local(h, self.seq_mesh, [Shard(1)]).full_tensor()
-        return h
+        return whole_sequence(h, self.seq_mesh)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -59,16 +64,27 @@ class HiddenCapture:
 class DistillProjections(nn.Module):
     """One bias-free linear map per layer pair from the student's width to the teacher's (identity
     when they are equal). It is attached to the student as `distill_projections`, so it is sharded,
-    optimized and checkpointed with it; plain model loading ignores it."""
+    optimized and checkpointed with it; plain model loading ignores it. Maps are keyed by the pair's
+    index ("maps.<j>"), so under pipeline parallelism each stage holds the maps of its own pairs
+    (`subset`) under the single-process names."""
 
     def __init__(self, student_width: int, teacher_width: int, num_pairs: int, std: float):
         super().__init__()
-        self.maps = nn.ModuleList(
-            nn.Linear(student_width, teacher_width, bias=False) if student_width != teacher_width else nn.Identity()
-            for _ in range(num_pairs))
-        for m in self.maps:
+        self.maps = nn.ModuleDict({
+            str(j): nn.Linear(student_width, teacher_width, bias=False) if student_width != teacher_width
+            else nn.Identity() for j in range(num_pairs)})
+        for m in self.maps.values():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0.0, std)
 
-    def forward(self, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [m(h) for m, h in zip(self.maps, hidden)]
+    def subset(self, pairs: list[int]) -> DistillProjections:
+        """A module holding (sharing) the maps of `pairs` only."""
+        part = DistillProjections.__new__(DistillProjections)
+        nn.Module.__init__(part)
+        part.maps = nn.ModuleDict({str(j): self.maps[str(j)] for j in pairs})
+        return part
+
+    def forward(self, hidden: list[torch.Tensor], pairs: list[int] | None = None) -> list[torch.Tensor]:
+        """Projected `hidden` states of the layer pairs `pairs` (default: every pair, in order)."""
+        keys = range(len(hidden)) if pairs is None else pairs
+        return [self.maps[str(j)](h) for j, h in zip(keys, hidden)]

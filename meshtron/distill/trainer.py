@@ -10,8 +10,8 @@ losses over the loss tokens. Evaluation reports the student's own loss on the la
 
 The teacher is parallelized like the student (same mesh and plans: TP, FSDP, CP). Under pipeline
 parallelism the teacher is split into the student's number of stages and runs forward first; the
-logits losses are computed in the student's last stage (distill/pipeline.py). Hidden-state losses
-are refused under pipeline parallelism.
+logits losses are computed in the student's last stage, each hidden-state pair's term on the stage
+holding its student sublayer (distill/pipeline.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.config.fields import ConfigError
@@ -27,7 +29,7 @@ from meshtron.config.schema import RunConfig
 from meshtron.distill.balancer import LossBalancer
 from meshtron.distill.hidden import DistillProjections, HiddenCapture, resolve_index
 from meshtron.distill.losses import ModelOutputs, build_losses
-from meshtron.distill.pipeline import PipelinedTeacher, broadcast_extras
+from meshtron.distill.pipeline import PipelinedHiddenLosses, PipelinedTeacher, gather_extras, teacher_stage_ranges
 from meshtron.distill.teacher import build_teacher, teacher_model_config
 from meshtron.models.gpt import GPTModel
 from meshtron.models.mtp import combine_losses, forward_for_loss
@@ -35,6 +37,7 @@ from meshtron.nn.loss import masked_cross_entropy
 from meshtron.parallel import fsdp_mesh, parallelize_parts
 from meshtron.parallel.fsdp import apply_fsdp_unit
 from meshtron.parallel.parts import ModelParts
+from meshtron.parallel.pipeline_stages import split_layers
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.trainer import StepResult, Trainer
 
@@ -42,11 +45,13 @@ from meshtron.training.trainer import StepResult, Trainer
 class DistillTrainer(Trainer):
     def __init__(self, cfg: RunConfig, echo: bool = True):
         self.balancer = LossBalancer(build_losses(cfg.distill), cfg.distill.loss_weights(), cfg.distill.label_weight)
-        if cfg.parallel.pp > 1 and self.balancer.needs_hidden:
-            raise ConfigError(f"distill.losses: hidden-state losses are not supported with parallel.pp "
-                              f"{cfg.parallel.pp} (their layer pairs may sit on different stages); use the logits "
-                              "losses (kl, reverse_kl, topk_kl) or pp 1")
-        self.pipelined_teacher = None
+        # under pipeline parallelism the last stage computes the logits losses, other stages the hidden ones
+        hidden = {n for n, loss in self.balancer.losses.items() if getattr(loss, "needs_hidden", False)}
+        self.logits_balancer = LossBalancer({n: v for n, v in self.balancer.losses.items() if n not in hidden},
+                                            {n: w for n, w in self.balancer.weights.items() if n not in hidden},
+                                            cfg.distill.label_weight)
+        self.hidden_losses = {n: self.balancer.losses[n] for n in hidden}
+        self.pipelined_teacher = self.pipelined_hidden = None
         self._pipeline_extras: dict[int, dict[str, tuple[float, float]]] = {}
         self.teacher_cfg = teacher_model_config(cfg)
         self.layer_pairs: list[tuple[int, int]] = []
@@ -66,8 +71,23 @@ class DistillTrainer(Trainer):
         width = model.cfg.hidden_size
         model.distill_projections = DistillProjections(width, self.teacher_cfg.hidden_size, len(self.layer_pairs),
                                                        std=width ** -0.5).to(self.device)
-        if self.dims.fsdp_enabled and any(True for _ in model.distill_projections.parameters()):
-            apply_fsdp_unit(model.distill_projections, fsdp_mesh(self.mesh, self.dims),
+        self._projections = model.distill_projections
+        if self.dims.pp == 1:
+            self._shard_projections(model.distill_projections)
+
+    def extend_stages(self, parts: list[nn.Module]) -> None:
+        """Pipeline parallelism: each stage holds the projections of the pairs whose student sublayer it runs."""
+        if not self.layer_pairs:
+            return
+        for part in parts:
+            here = [j for j, (s, _) in enumerate(self.layer_pairs) if str(s) in part.layers]
+            if here:
+                part.distill_projections = self._projections.subset(here)
+                self._shard_projections(part.distill_projections)
+
+    def _shard_projections(self, projections: nn.Module) -> None:
+        if self.dims.fsdp_enabled and any(True for _ in projections.parameters()):
+            apply_fsdp_unit(projections, fsdp_mesh(self.mesh, self.dims),
                             param_dtype=torch.bfloat16 if self.cfg.train.precision == "bf16" else None)
 
     def _build_teacher(self) -> None:
@@ -90,7 +110,16 @@ class DistillTrainer(Trainer):
         self.teacher = teacher
         seq_mesh = self.mesh["tp"] if self.dims.tp > 1 and cfg.parallel.sequence_parallel else None
         self.student_hidden = self.teacher_hidden = None
-        if self.layer_pairs:
+        if self.layer_pairs and self.pipeline is not None:
+            student_ranges = split_layers(len(cfg.model.pattern), self.pipeline.num_stages,
+                                          cfg.parallel.pp_first_stage_sublayers, cfg.parallel.pp_last_stage_sublayers)
+            teacher_ranges = teacher_stage_ranges(len(self.teacher_cfg.pattern), self.pipeline.num_stages)
+            self.pipelined_hidden = PipelinedHiddenLosses(
+                self.pipeline, self.model_parts, parts, self.layer_pairs, student_ranges, teacher_ranges,
+                self.hidden_losses, self.balancer.weights, self.teacher_cfg.hidden_size, seq_mesh)
+            self._plain_loss_sum = self.pipeline._broadcast_loss_sum
+            self.pipeline._broadcast_loss_sum = self._pipeline_loss_sum
+        elif self.layer_pairs:
             self.student_hidden = HiddenCapture(self.model, [s for s, _ in self.layer_pairs], seq_mesh)
             self.teacher_hidden = HiddenCapture(teacher, [t for _, t in self.layer_pairs], seq_mesh)
 
@@ -124,14 +153,29 @@ class DistillTrainer(Trainer):
         if self.pipelined_teacher is None:
             return super().train_step(micro_batches)
         local = [self._local_micro_batch(mb) for mb in micro_batches]
+        hidden = self.pipelined_hidden
+        if hidden is not None:
+            hidden.begin()
         with self._phase("teacher", " forward (pipelined)"):
             self.pipelined_teacher.run(local, self._vocabulary_logits, self._autocast())
+            if hidden is not None:
+                hidden.exchange(local)
         self._pipeline_extras = {}
         result = super().train_step(micro_batches)
-        for name, (value, count) in broadcast_extras(self._pipeline_extras, self.pipeline).items():
+        kept = [self._pipeline_extras] + ([hidden.extras] if hidden is not None else [])
+        for name, (value, count) in gather_extras(kept, self.pipeline).items():
             result.extra[name] = self._global_sum(value) / max(self._global_sum(count), 1.0)
+        if hidden is not None:
+            hidden.end(len(micro_batches))
+            hidden.begin()
         self._pipeline_extras, self.pipelined_teacher.logits = {}, {}
         return result
+
+    def _pipeline_loss_sum(self, n: int) -> float:
+        """The pipeline's step loss sum plus the hidden-state terms computed on every stage (summed over pp)."""
+        value = torch.tensor(self.pipelined_hidden.loss_sum, dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, group=self.pipeline.group)
+        return self._plain_loss_sum(n) + float(value)
 
     def _pipeline_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
         """The last stage's loss of micro-batch i: (weighted distillation objective) * 1 / tokens of the step."""
@@ -146,7 +190,9 @@ class DistillTrainer(Trainer):
                                     self.cfg.model, cross_entropy)
         student = ModelOutputs(self._vocabulary_logits(logits), [])
         teacher = ModelOutputs(self.pipelined_teacher.logits[i], [])
-        loss, _, extras = self.balancer(student, teacher, mb["loss_mask"], label_loss)
+        loss, num_tokens, extras = self.logits_balancer(student, teacher, mb["loss_mask"], label_loss)
+        for name in self.hidden_losses:   # the value is summed from the stages holding the pairs
+            extras[f"distill_{name}"] = (torch.zeros(()), num_tokens)
         if i == 0 and p._inject_nan:
             loss = loss * float("nan")
         p._loss_sums[i] = loss.detach()

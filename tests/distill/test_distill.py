@@ -76,7 +76,7 @@ def test_logged_loss_is_the_weighted_sum_of_logged_terms(tiny_config, teacher_ch
                          "distill.label_weight": "0.25", "distill.layer_pairs": "0:1,-1:-1", "distill.top_k": "8",
                          "distill.temperature": "2", "checkpoint.save_at_end": "false"})
     trainer = DistillTrainer(cfg)
-    maps = trainer.model.distill_projections.maps
+    maps = list(trainer.model.distill_projections.maps.values())
     assert [tuple(m.weight.shape) for m in maps] == [(48, 32), (48, 32)]   # student 32 -> teacher 48
     assert trainer.layer_pairs == [(0, 1), (3, 5)]
     before = [m.weight.detach().clone() for m in maps]
@@ -303,11 +303,26 @@ def test_teacher_stage_ranges():
         teacher_stage_ranges(3, 4)
 
 
-def test_pipelined_hidden_state_losses_are_refused(teacher_checkpoint, tmp_path):
-    from tests.conftest import TINY
-
-    cfg = load_config(overrides={**TINY, "train.run_dir": str(tmp_path), "teacher.load": teacher_checkpoint,
-                                 "distill.losses": "kl,hidden_mse", "distill.layer_pairs": "0:1",
-                                 "parallel.pp": "2"}, world_size=2)
-    with pytest.raises(ConfigError, match="distill.losses: hidden-state losses are not supported with parallel.pp 2"):
-        DistillTrainer(cfg)   # refused before any process group is needed
+@pytest.mark.slow
+def test_pipelined_hidden_state_losses_match_single_process(teacher_checkpoint, tmp_path):
+    """PP2: student sublayers 0-1 | 2-3, teacher 0-2 | 3-5. Pair 1:4 has its student sublayer on stage 0
+    and its teacher sublayer on stage 1, pair -1:2 the other way round, so each teacher hidden state
+    crosses the pipeline; the losses (hidden terms on their stages, kl on the last), logged terms,
+    student parameters and both width projections equal the single process's."""
+    overrides = {**LAYOUT_BASE, "teacher.load": teacher_checkpoint, "distill.losses": "kl,hidden_mse,hidden_cosine",
+                 "distill.layer_pairs": "1:4,-1:2", "train.eval_interval": "3", "train.eval_iters": "1"}
+    ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
+    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=400,
+                        overrides={**overrides, "parallel.pp": "2", "train.run_dir": str(tmp_path / "run"),
+                                   "parallel.timeout_s": "90"})
+    assert {"distill_hidden_mse_pair0", "distill_hidden_cosine_pair1", "distill_kl"} <= set(ref["extra"][0])
+    merged: dict = {}
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+        for step, ref_extra in zip(r["extra"], ref["extra"]):
+            assert set(step) == set(ref_extra) and step == pytest.approx(ref_extra, abs=1e-5, rel=0)
+        merged.update(r["params"])
+    assert {"distill_projections.maps.0.weight", "distill_projections.maps.1.weight"} <= set(merged)
+    assert set(merged) == set(ref["params"])
+    for name, value in merged.items():
+        torch.testing.assert_close(value, ref["params"][name], atol=1e-5, rtol=0, msg=name)
