@@ -237,3 +237,17 @@ def test_startup_error_reaches_the_user(tmp_path):
                  "parallel.timeout_s": "60"}
     with pytest.raises(RankFailure, match=r"ConfigError: parallel.pp: the pattern's 6 sublayers do not split"):
         run_ranks("meshtron.testing.parity:train_and_report", 2, timeout_s=120, overrides=overrides)
+
+
+@pytest.mark.slow
+def test_tied_tp2_pp2_checkpoint_resumes_in_one_process(tmp_path):
+    """Tied embeddings saved under TP2 x PP2 (both copies under one name, each a vocabulary shard)
+    resume in one process (one tied matrix) with the uninterrupted run's losses."""
+    tied = {**CKPT, **TIED}
+    ref = Trainer(load_config(overrides={**tied, "train.run_dir": str(tmp_path / "ref")}, world_size=1)).train()
+    run_ranks("meshtron.testing.parity:train_and_report", 4, timeout_s=300,
+              overrides={**tied, **PP2, "parallel.tp": "2", "train.train_iters": "3", "checkpoint.save_at_end": "true",
+                         "train.run_dir": str(tmp_path / "save"), "checkpoint.save": str(tmp_path / "ck")})
+    overrides = {**tied, "checkpoint.load": str(tmp_path / "ck"), "train.run_dir": str(tmp_path / "run")}
+    losses = [r.loss for r in Trainer(load_config(overrides=overrides, world_size=1)).train()]
+    assert losses == pytest.approx([r.loss for r in ref][3:], abs=1e-6, rel=0)
