@@ -46,6 +46,9 @@ LAYOUTS = {
     "cp2_pp2": (4, {**PP2, "parallel.cp": "2"}),
     "cp2_pp2_interleaved": (4, {**PP2, "parallel.cp": "2", "parallel.pp_schedule": "interleaved_1f1b",
                                 "parallel.pp_virtual_stages": "2"}),
+    "cp2_pp2_zero_bubble_v": (4, {**PP2, "parallel.cp": "2", "parallel.pp_schedule": "zero_bubble",
+                                  "parallel.pp_virtual_stages": "2"}),
+    "cp2_pp2_fsdp2": (8, {**PP2, "parallel.cp": "2", "parallel.dp_shard": "2"}),
 }
 DEFAULT = {"pp2_1f1b", "tp2_pp2", "cp2_pp2"}
 
