@@ -96,6 +96,30 @@ def gather_extras(extras: list[dict[int, dict[str, tuple[float, float]]]], pipel
     return {name: (v, c) for name, (v, c) in sorted(merged.items())}
 
 
+def check_pair_stages(cfg, pairs: list[tuple[int, int]]) -> None:
+    """Refuse layer pairs whose student sublayers fall in two different stages of one pp rank (with
+    virtual stages): that placement gives wrong gradients in the earlier stage (found by the parity
+    test, cause not yet identified), so it is refused rather than run."""
+    from meshtron.parallel.pipeline import schedule_class
+    from meshtron.parallel.pipeline_stages import rank_of_stage, split_layers
+
+    p = cfg.parallel
+    num_stages = p.pp * p.pp_virtual_stages
+    ranges = split_layers(len(cfg.model.pattern), num_stages, p.pp_first_stage_sublayers, p.pp_last_stage_sublayers)
+    _, style = schedule_class(p.pp_schedule, p.pp_virtual_stages)
+    held: dict[int, dict[int, int]] = {}   # pp rank -> {stage: a student sublayer in it}
+    for s, _ in pairs:
+        stage = stage_of(s, ranges)
+        held.setdefault(rank_of_stage(stage, p.pp, num_stages, style), {})[stage] = s
+    for rank, stages in sorted(held.items()):
+        if len(stages) > 1:
+            (a, sa), (b, sb) = sorted(stages.items())[:2]
+            raise ConfigError(f"distill.layer_pairs: student sublayers {sa} and {sb} lie in pipeline stages {a} and "
+                              f"{b}, both on pp rank {rank}; hidden-state losses support one such stage per pp rank: "
+                              "choose pairs whose student sublayers sit on stages of different ranks, or use "
+                              "parallel.pp_virtual_stages 1")
+
+
 def stage_of(index: int, ranges: list[range]) -> int:
     return next(s for s, r in enumerate(ranges) if index in r)
 

@@ -29,7 +29,13 @@ from meshtron.config.schema import RunConfig
 from meshtron.distill.balancer import LossBalancer
 from meshtron.distill.hidden import DistillProjections, HiddenCapture, resolve_index
 from meshtron.distill.losses import ModelOutputs, build_losses
-from meshtron.distill.pipeline import PipelinedHiddenLosses, PipelinedTeacher, gather_extras, teacher_stage_ranges
+from meshtron.distill.pipeline import (
+    PipelinedHiddenLosses,
+    PipelinedTeacher,
+    check_pair_stages,
+    gather_extras,
+    teacher_stage_ranges,
+)
 from meshtron.distill.teacher import build_teacher, teacher_model_config
 from meshtron.models.gpt import GPTModel
 from meshtron.models.mtp import combine_losses, forward_for_loss
@@ -68,6 +74,8 @@ class DistillTrainer(Trainer):
                             for s, t in self.cfg.distill.parsed_layer_pairs()]
         if not self.layer_pairs:
             raise ConfigError("distill.layer_pairs: the hidden-state losses need at least one 'student:teacher' pair")
+        if self.dims.pp > 1:
+            check_pair_stages(self.cfg, self.layer_pairs)
         width = model.cfg.hidden_size
         model.distill_projections = DistillProjections(width, self.teacher_cfg.hidden_size, len(self.layer_pairs),
                                                        std=width ** -0.5).to(self.device)

@@ -304,16 +304,24 @@ def test_teacher_stage_ranges():
 
 
 @pytest.mark.slow
-def test_pipelined_hidden_state_losses_match_single_process(teacher_checkpoint, tmp_path):
+@pytest.mark.parametrize("extra", [{"parallel.pp": "2"},
+                                   {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
+                                    "parallel.pp_virtual_stages": "2", "distill.layer_pairs": "1:4,2:2"},
+                                   {"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
+                                    "parallel.pp_virtual_stages": "2", "model.tie_word_embeddings": "false"}],
+                         ids=["pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble"])
+def test_pipelined_hidden_state_losses_match_single_process(extra, teacher_checkpoint, tmp_path):
     """PP2: student sublayers 0-1 | 2-3, teacher 0-2 | 3-5. Pair 1:4 has its student sublayer on stage 0
     and its teacher sublayer on stage 1, pair -1:2 the other way round, so each teacher hidden state
-    crosses the pipeline; the losses (hidden terms on their stages, kl on the last), logged terms,
-    student parameters and both width projections equal the single process's."""
+    crosses the pipeline (interleaved, stages 0,2 | 1,3: pairs 1:4 and 2:2 both cross ranks; ZB-V,
+    stages 0,3 | 1,2: 1:4 stays on rank 1, -1:2 crosses); the losses (hidden terms on their stages, kl on
+    the last), logged terms, student parameters and both width projections equal the single process's."""
     overrides = {**LAYOUT_BASE, "teacher.load": teacher_checkpoint, "distill.losses": "kl,hidden_mse,hidden_cosine",
                  "distill.layer_pairs": "1:4,-1:2", "train.eval_interval": "3", "train.eval_iters": "1"}
+    overrides.update({k: v for k, v in extra.items() if not k.startswith("parallel.")})
     ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
     results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=400,
-                        overrides={**overrides, "parallel.pp": "2", "train.run_dir": str(tmp_path / "run"),
+                        overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
                                    "parallel.timeout_s": "90"})
     assert {"distill_hidden_mse_pair0", "distill_hidden_cosine_pair1", "distill_kl"} <= set(ref["extra"][0])
     merged: dict = {}
@@ -326,3 +334,16 @@ def test_pipelined_hidden_state_losses_match_single_process(teacher_checkpoint, 
     assert set(merged) == set(ref["params"])
     for name, value in merged.items():
         torch.testing.assert_close(value, ref["params"][name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_pipelined_pairs_on_two_stages_of_one_rank_are_refused(tmp_path):
+    from meshtron.distill.pipeline import check_pair_stages
+    from tests.conftest import TINY
+
+    cfg = load_config(overrides={**TINY, "train.run_dir": str(tmp_path), "parallel.pp": "2",
+                                 "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual_stages": "2"},
+                      world_size=2)
+    check_pair_stages(cfg, [(1, 4), (2, 2)])   # stages 1 and 2: ranks 1 and 0
+    with pytest.raises(ConfigError, match="distill.layer_pairs: student sublayers 1 and 3 lie in pipeline stages 1 "
+                                          "and 3, both on pp rank 1"):
+        check_pair_stages(cfg, [(1, 4), (3, 2)])
