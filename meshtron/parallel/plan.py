@@ -227,8 +227,9 @@ def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims,
 
 
 def _chunk_parameters(model: GPTModel, chunks: list[Chunk]) -> Iterator[tuple[str, nn.Parameter]]:
-    """Parameters of the rank's chunks: their sublayers, the embedding on the first stage, the final
-    norm and output head on the last (and MTP depths, which only run without a pipeline)."""
+    """Parameters of the rank's chunks: their sublayers, the embedding on the first stage (and, with
+    tied embeddings, its copy on the last stage: pipeline_stages.PipelineStageModule.tied_copy), the
+    final norm and output head on the last (and MTP depths, which only run without a pipeline)."""
     whole = len(chunks) == 1 and chunks[0].is_first and chunks[0].is_last
     layer_ids = {i for c in chunks for i in c.layer_ids}
     first, last = any(c.is_first for c in chunks), any(c.is_last for c in chunks)
@@ -236,7 +237,9 @@ def _chunk_parameters(model: GPTModel, chunks: list[Chunk]) -> Iterator[tuple[st
         top = name.split(".")[0]
         if top == "layers":
             keep = int(name.split(".")[1]) in layer_ids
-        elif top in ("embedding", "position_embedding"):
+        elif top == "embedding":
+            keep = first or (last and model.output is None)
+        elif top == "position_embedding":
             keep = first
         elif top in ("final_norm", "output"):
             keep = last
@@ -363,6 +366,8 @@ def _stage_forward(model: GPTModel, chunk: Chunk, tokens: torch.Tensor) -> Optio
         warnings.simplefilter("ignore", UserWarning)  # the stage deep-copies the rotary buffer: a fake tensor
         stage = PipelineStageModule(model, chunk.layer_ids, chunk.is_first, chunk.is_last)
     stage.rotary = model.rotary  # that copy belongs to another fake mode; the model's own computes the same
+    if stage.tied_copy:  # the last stage's copy of a tied embedding is a parameter (rank_parameters), not an activation
+        stage.embedding = model.embedding
     positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
     x = tokens if chunk.is_first else torch.zeros(*tokens.shape, model.cfg.hidden_size, requires_grad=True)
     out = stage(x, positions)

@@ -231,6 +231,21 @@ def test_pipeline_stages_split_parameters_and_hold_micro_batches():
     assert [r["activation_bytes"] for r in rows] == [4 * r["activation_bytes_per_microbatch"] for r in rows]
 
 
+def test_tied_pipeline_last_stage_holds_the_embedding_copy():
+    """With tied embeddings the last stage keeps its own copy of the embedding for the head: a parameter
+    (with gradient and optimizer state) of that stage, not an activation; the untied run's activations."""
+    pytest.importorskip("meshtron.parallel.pipeline_stages")
+    layout = {"parallel.pp": "2", "parallel.pp_schedule": "gpipe"}
+    tied = plan(2, **layout, **{"model.tie_word_embeddings": "true"})
+    untied = plan(2, **layout)
+    shapes = tiny_shapes()
+    last = [s for n, s in shapes.items() if n.startswith(("embedding", "final_norm", "layers.2.", "layers.3."))]
+    assert tied[1]["num_params"] == sum(math.prod(s) for s in last)
+    assert tied[1]["num_params"] == untied[1]["num_params"]  # the copy replaces the output head, same shape
+    assert tied[0]["num_params"] == untied[0]["num_params"]
+    assert [r["activation_bytes"] for r in tied] == [r["activation_bytes"] for r in untied]
+
+
 # ---- the command ----------------------------------------------------------------------------------
 
 @pytest.fixture
