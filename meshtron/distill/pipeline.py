@@ -24,7 +24,6 @@ The logged terms are summed over the pp ranks; the hidden terms are added to the
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.compat import schedule_micro_batch
 from meshtron.config.fields import ConfigError
 from meshtron.distill.hidden import whole_sequence
 from meshtron.distill.losses import DistillLoss, ModelOutputs
@@ -124,18 +124,6 @@ def stage_of(index: int, ranges: list[range]) -> int:
     return next(s for s, r in enumerate(ranges) if index in r)
 
 
-def _schedule_micro_batch() -> int | None:
-    """The micro-batch index of the pipeline schedule's stage forward running now (torch's
-    `PipelineStage.forward_one_chunk(fwd_chunk_id, ...)` on the call stack), or None outside one
-    (the stage's metadata inference, which runs the module on placeholder inputs first)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "forward_one_chunk" and "fwd_chunk_id" in frame.f_locals:
-            return int(frame.f_locals["fwd_chunk_id"])
-        frame = frame.f_back
-    return None
-
-
 class _AddLoss(torch.autograd.Function):
     """Identity on `output`; its backward also back-propagates the scalar `loss` (gradient 1), so a
     loss computed inside a pipeline stage joins that stage's backward."""
@@ -212,7 +200,7 @@ class PipelinedHiddenLosses:
 
     def _add_terms(self, part: nn.Module, s: int, here: list[int]):
         def add(module, args, output):
-            i = _schedule_micro_batch() if module.training and torch.is_grad_enabled() else None
+            i = schedule_micro_batch() if module.training and torch.is_grad_enabled() else None
             if i is None:
                 return None   # evaluation, or the stage's metadata inference (not a micro-batch's forward)
             self._seen[s].add(i)
