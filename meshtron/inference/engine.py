@@ -9,7 +9,8 @@ fronts use it:
   thread through an inbox; outputs come back with `loop.call_soon_threadsafe`.
 Once that thread runs, `generate` hands its requests to it too and waits on a thread-safe queue
 (never on an event loop), so it also works when called from inside a running loop.
-A lock makes `step`, `suspend` and `resume` exclusive, so the fronts can be mixed.
+A lock makes `step`, `suspend` and `resume` exclusive, so the fronts can be mixed; the loop hands it
+over between steps (`HandoffLock`), so another thread never waits more than one step for it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,36 @@ def check_supported(model: nn.Module) -> None:
                               f"it runs {', '.join(f'{s!r} {n}' for s, n in SUPPORTED_SUBLAYERS.items())}")
 
 
+class HandoffLock:
+    """A re-entrant lock that the engine loop hands over between steps. CPython's locks are not fair:
+    a loop that releases and at once re-acquires starves other threads (a server drain's
+    `abort_all` waited out whole requests). Other threads count themselves in `waiting`; the loop
+    calls `hand_over()` after each step and waits until they have had their turn."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._count = threading.Lock()
+        self.waiting = 0
+
+    def __enter__(self) -> "HandoffLock":
+        with self._count:
+            self.waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count:
+                self.waiting -= 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def hand_over(self) -> None:
+        """Called without holding the lock: let every thread already waiting for it take it first."""
+        while self.waiting:
+            time.sleep(0.0005)
+
+
 class LLMEngine:
     def __init__(self, model: nn.Module, tokenizer, config: Optional[EngineConfig] = None, *,
                  model_name: str = "meshtron"):
@@ -70,7 +101,7 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
-        self._lock = threading.RLock()
+        self._lock = HandoffLock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # req_id -> a callable that hands one output to whoever waits for it (any thread)
         self._streams: dict[str, Callable[[RequestOutput], None]] = {}
@@ -313,6 +344,7 @@ class LLMEngine:
                 self._wake.clear()
                 continue
             self.step()
+            self._lock.hand_over()
 
     def shutdown(self, abort_running: bool = True) -> None:
         """Stop the background thread; abort what is still running (the server drains first)."""

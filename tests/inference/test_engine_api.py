@@ -89,6 +89,29 @@ def test_stream_inside_a_running_loop_and_abort_frees_blocks(model):
     eng.shutdown()
 
 
+def test_another_thread_gets_the_lock_between_two_steps(model):
+    """The background loop hands the lock over after each step. With a plain lock CPython lets the
+    loop re-acquire at once, and a drain's `abort_all` waited out whole requests (a CI failure)."""
+    eng = engine(model, num_blocks=64, block_size=4)
+    eng.step_hook = lambda kind, *payload: time.sleep(0.02) if kind == "step" else None
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+    eng.start_background_loop()
+    try:
+        while eng.num_steps < 3:
+            time.sleep(0.005)
+        waited = []
+        for _ in range(10):  # each acquisition: at most the step that holds the lock, and the next never starts
+            before = eng.num_steps
+            with eng._lock:
+                waited.append(eng.num_steps - before)
+        assert max(waited) <= 1, waited
+        before = eng.num_steps
+        assert eng.abort_all("drain") == 1 and eng.num_steps - before <= 1
+        assert not eng.has_unfinished_requests() and eng.kv.num_free_blocks == 64
+    finally:
+        eng.shutdown()
+
+
 def test_generate_while_the_background_loop_runs(model):
     eng = engine(model, num_blocks=64, block_size=4)
     eng.start_background_loop()

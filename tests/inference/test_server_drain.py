@@ -68,7 +68,7 @@ def test_drain_answers_503_then_aborts_what_is_left_with_an_error():
 
     assert streamed[-1] == "data: [DONE]"
     events = [json.loads(line[5:]) for line in streamed[:-1]]
-    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort", streamed[-4:]
     assert "drain timeout (2 s)" in events[-1]["error"]["message"]
     generated = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert 0 < len(generated) < 80  # it ran during the drain, and was cut before it finished
