@@ -64,7 +64,7 @@ class HandoffLock:
         self._count = threading.Lock()
         self.waiting = 0
 
-    def __enter__(self) -> "HandoffLock":
+    def __enter__(self) -> HandoffLock:
         with self._count:
             self.waiting += 1
         try:
