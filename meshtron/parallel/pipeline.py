@@ -70,8 +70,10 @@ def num_micro_batches(cfg: RunConfig, dims: ParallelDims) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)
 
 
-def check_pipeline_config(cfg: RunConfig, dims: ParallelDims) -> None:
-    """One-line ConfigErrors for what the pipeline cannot run (the split is checked by split_layers)."""
+def check_pipeline_config(cfg: RunConfig, dims: ParallelDims, micro_batches: bool = True) -> None:
+    """One-line ConfigErrors for what the pipeline cannot run (the split is checked by split_layers).
+    micro_batches=False skips the checks of train.global_batch_size's micro-batch count (RL pads its
+    own count to what the schedule needs)."""
     p, m = cfg.parallel, num_micro_batches(cfg, dims)
     v = p.pp_virtual_stages
     _, style = schedule_class(p.pp_schedule, v)
@@ -84,10 +86,11 @@ def check_pipeline_config(cfg: RunConfig, dims: ParallelDims) -> None:
     if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
         raise ConfigError(f"parallel.pp_virtual_stages: {v} is not allowed with pp_schedule {p.pp_schedule} (one stage "
                           "per rank); set it to 1 or use pp_schedule interleaved_1f1b or zero_bubble")
-    if p.pp_schedule == "1f1b" and m < p.pp:
+    if micro_batches and p.pp_schedule == "1f1b" and m < p.pp:
         raise ConfigError(f"train.global_batch_size: 1f1b needs at least pp={p.pp} micro-batches per step, got {m} "
                           "(global_batch_size / (micro_batch_size * dp)); raise global_batch_size or use gpipe")
-    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and not (p.pp_schedule == "zero_bubble" and v == 2):
+    if micro_batches and p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and not (
+            p.pp_schedule == "zero_bubble" and v == 2):
         rounds = max(1, m // p.pp)
         if m % rounds:
             raise ConfigError(f"train.global_batch_size: {p.pp_schedule} needs the {m} micro-batches per step to be a "
@@ -295,16 +298,18 @@ def _stage_kwargs(mb: dict[str, torch.Tensor], context_parallel=None) -> dict[st
 
 
 def build_pipeline(model: nn.Module, mesh: NamedMesh, dims: ParallelDims, cfg: RunConfig,
-                   device: torch.device) -> Pipeline:
-    """Split `model` (built identically on every rank) into stages and keep this rank's."""
+                   device: torch.device, pipeline_class: type[Pipeline] = Pipeline,
+                   check_micro_batches: bool = True) -> Pipeline:
+    """Split `model` (built identically on every rank) into stages and keep this rank's.
+    `pipeline_class`: a Pipeline subclass with another loss (RL's)."""
     p = cfg.parallel
-    check_pipeline_config(cfg, dims)
+    check_pipeline_config(cfg, dims, check_micro_batches)
     num_stages = dims.pp * p.pp_virtual_stages
     ranges = split_layers(len(cfg.model.pattern), num_stages, p.pp_first_stage_sublayers, p.pp_last_stage_sublayers)
     _, style = schedule_class(p.pp_schedule, p.pp_virtual_stages)
     stage_ids = stages_of_rank(mesh["pp"].get_local_rank(), dims.pp, num_stages, style)
     parts = build_stage_modules(model, ranges, stage_ids)
-    pipeline = Pipeline(parts, stage_ids, num_stages, style, mesh, cfg, device)
+    pipeline = pipeline_class(parts, stage_ids, num_stages, style, mesh, cfg, device)
     if cfg.model.tie_word_embeddings:
         pipeline.tied_group = _first_last_group(mesh, dims, num_stages, style, p.timeout_s)
     return pipeline

@@ -164,26 +164,22 @@ class GRPOUpdate:
             lr = lr_at()
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            for mb in batch:
-                loss, stats = self._micro_batch(mb)
-                loss.backward()
-                loss_total += loss.item()
+            for stats in self._train_batch(batch):
+                loss_total += float(stats["loss"])
                 for k in SUM_STATS:
                     sums[k] += float(stats[k])
                 extremes["is_weight_max"] = max(extremes["is_weight_max"], float(stats["is_weight_max"]))
                 extremes["is_weight_min"] = min(extremes["is_weight_min"], float(stats["is_weight_min"]))
             all_reduce_gradients(self.model, self.group)
-            clip = self.clip_grad if self.clip_grad > 0 else float("inf")
-            grad_norms.append(clip_grad_norm_(list(self.model.parameters()), clip))
+            grad_norms.append(self._clip())
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             clear_replay(self.model)  # entries kept for a backward recompute (none without checkpointing)
-        values = all_reduce([sums[k] for k in SUM_STATS] + [loss_total], group=self.group)
+        group = self.stats_group
+        values = all_reduce([sums[k] for k in SUM_STATS] + [loss_total], group=group)
         sums, loss_total = dict(zip(SUM_STATS, values[:-1])), values[-1]
-        mx = all_reduce([extremes["is_weight_max"]], dist.ReduceOp.MAX if world_group(self.group) else None,
-                        self.group)[0]
-        mn = all_reduce([extremes["is_weight_min"]], dist.ReduceOp.MIN if world_group(self.group) else None,
-                        self.group)[0]
+        mx = all_reduce([extremes["is_weight_max"]], dist.ReduceOp.MAX if world_group(group) else None, group)[0]
+        mn = all_reduce([extremes["is_weight_min"]], dist.ReduceOp.MIN if world_group(group) else None, group)[0]
         n = max(sums["tokens"], 1.0)
         return {"loss": loss_total / len(batches), "grad_norm": grad_norms[-1], "lr": lr,
                 "kl": sums["kl"] / n, "entropy": sums["entropy"] / n,
@@ -191,7 +187,25 @@ class GRPOUpdate:
                 "clip_fraction_low": sums["clipped_low"] / n, "clip_fraction_high": sums["clipped_high"] / n,
                 "ratio_mean": sums["ratio"] / n, "is_weight_mean": sums["is_weight"] / n, "is_weight_max": mx,
                 "is_weight_min": mn, "logprob_gap": sums["logprob_gap"] / n,
-                "train_tokens": all_reduce([float(self.num_tokens)], group=self.group)[0]}
+                "train_tokens": all_reduce([float(self.num_tokens)], group=group)[0]}
+
+    @property
+    def stats_group(self):
+        """Where the step's statistics are summed: the data-parallel ranks (each holds its own)."""
+        return self.group
+
+    def _train_batch(self, batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Forward and backward of one mini-batch's micro-batches; -> their statistics (with "loss")."""
+        out = []
+        for mb in batch:
+            loss, stats = self._micro_batch(mb)
+            loss.backward()
+            out.append({**stats, "loss": loss.detach()})
+        return out
+
+    def _clip(self) -> float:
+        clip = self.clip_grad if self.clip_grad > 0 else float("inf")
+        return clip_grad_norm_(list(self.model.parameters()), clip)
 
     def _micro_batch(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_probs, entropy = forward_log_probs(self.model, mb, self.cfg.temperature,

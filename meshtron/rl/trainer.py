@@ -7,8 +7,11 @@ Under torchrun every data-parallel replica generates its share of the prompts wi
 and the gradients are summed over replicas (the loss carries global normalisers), so the weights
 stay identical. With parallel.tp > 1 a replica is a TP group holding one sharded model: its rank 0
 runs the engine on the sharded model, the others follow its forwards, every rank trains on the same
-rollouts with vocabulary-parallel log probs (`meshtron.rl.tensor_parallel`). Pipeline, context and
-expert parallel layouts are refused: the rollout engine runs neither split stages nor split sequences.
+rollouts with vocabulary-parallel log probs (`meshtron.rl.tensor_parallel`). With parallel.pp > 1 a
+replica is a pipeline: it trains through the pipeline schedules, and every pp rank keeps the whole
+model for rollouts, synced from the stages' owners before each rollout phase; the pp ranks split
+the replica's prompts and share their rollouts (`meshtron.rl.pipeline`). Context and expert
+parallel layouts, and tp with pp, are refused.
 
 The RL state saved in a checkpoint: model, optimizer, GRPO step and optimizer-step counts, the
 position in the prompt stream, RNG states and (with a KL penalty) the reference weights. Rollout
@@ -69,14 +72,18 @@ class GRPOTrainer:
         seed_everything(t.seed)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.env = build_environment(cfg.env)
-        self.model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        self.model = GPTModel(cfg.model, self.tokenizer.vocab_size).to(self.device)  # the rollout model
         if self.tp_mesh is not None:  # logits stay sharded over the vocabulary (vocab-parallel log probs)
             from meshtron.parallel.tensor_parallel import apply_tp
 
             apply_tp(self.model, self.tp_mesh, sequence_parallel=False, loss_parallel=True)
         if rl.init_checkpoint:
             load_checkpoint(rl.init_checkpoint, self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.pipeline = self.sync_replica = None
+        self.train_model: torch.nn.Module = self.model  # what the optimizer steps and checkpoints hold
+        if self.pp > 1:
+            self._build_pipeline()
+        self.optimizer = build_optimizer(self.train_model, cfg.optimizer)
         self.schedule = LRSchedule(cfg.optimizer.lr, cfg.scheduler, t.train_iters * rl.updates_per_step)
         if backend is None and self.tp_mesh is not None:
             backend = self._tensor_parallel_backend()
@@ -92,6 +99,7 @@ class GRPOTrainer:
         self.evaluator: EvaluationAgent = evaluator or PassAtKEvaluator(
             rl.max_new_tokens, rl.eval_samples, rl.eval_k, rl.eval_temperature, seed=t.seed)
         self.ref_model: Optional[torch.nn.Module] = None
+        self.ref_parts: Optional[list[torch.nn.Module]] = None  # under pp: the reference model's stages
         self.step = self.optimizer_steps = self.consumed_prompts = 0
         self.warmup_done = rl.warmup_steps == 0
         self.train_problems = self.env.get_dataset("train", cfg.env.train_size, seed=t.seed)
@@ -107,16 +115,24 @@ class GRPOTrainer:
         """Ranks form (dp, tp) with tp innermost: rank = dp_rank * tp + tp_rank. Prompts are shared
         over dp; the ranks of a TP group hold one sharded model and the same rollouts."""
         p, rl = self.cfg.parallel, self.cfg.rl
-        for name in ("pp", "cp", "ep"):
+        for name in ("cp", "ep"):
             if getattr(p, name) != 1:
                 raise ConfigError(f"parallel.{name}: {getattr(p, name)} is not allowed for meshtron rl; the rollout "
-                                  "engine runs whole or tensor-parallel models: use data and tensor parallelism")
-        tp = p.tp
-        if tp > 1 and self.cfg.rl.backend != "engine":
-            raise ConfigError(f"rl.backend: {self.cfg.rl.backend} is not allowed with parallel.tp={tp}; "
-                              "tensor-parallel rollouts come from the in-process engine: set rl.backend engine")
+                                  "engine runs whole or tensor-parallel models: use data, tensor or pipeline parallelism")
+        tp, pp = p.tp, p.pp
+        if tp > 1 and pp > 1:
+            raise ConfigError(f"parallel.pp: {pp} is not allowed with parallel.tp={tp} for meshtron rl; "
+                              "use tensor or pipeline parallelism (with data parallelism), not both")
+        if (tp > 1 or pp > 1) and self.cfg.rl.backend != "engine":
+            which = f"parallel.tp={tp}" if tp > 1 else f"parallel.pp={pp}"
+            raise ConfigError(f"rl.backend: {self.cfg.rl.backend} is not allowed with {which}; "
+                              "parallel rollouts come from the in-process engine: set rl.backend engine")
         self.world_size = init_distributed(self.device, p.timeout_s)
         self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.pp, self.pp_rank, self.pp_group = 1, 0, None
+        if pp > 1:
+            self._setup_pipeline_groups(pp)
+            return
         if self.world_size % tp:
             raise ConfigError(f"parallel.tp: {tp} is not allowed; must divide the number of processes ({self.world_size})")
         self.tp, self.dp_size, self.dp_rank = tp, self.world_size // tp, self.rank // tp
@@ -136,10 +152,50 @@ class GRPOTrainer:
                 if r == self.rank % tp:
                     self.dp_group = group
             self.tp_mesh = DeviceMesh.from_group(self.tp_group, self.device.type, mesh_dim_names=("tp",))
+        self._check_prompt_counts()
+
+    def _setup_pipeline_groups(self, pp: int) -> None:
+        """The (pp, dp) mesh of `meshtron train` (pp outermost); gradients are summed over dp."""
+        from meshtron.parallel.dims import ParallelDims
+
+        if self.world_size % pp:
+            raise ConfigError(f"parallel.pp: {pp} is not allowed; must divide the number of processes ({self.world_size})")
+        self.dims = ParallelDims(dp_replicate=self.world_size // pp, dp_shard=1, cp=1, tp=1, pp=pp, ep=1,
+                                 world_size=self.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type, self.cfg.parallel.timeout_s)
+        self.tp, self.dp_size, self.dp_rank = 1, self.dims.dp, self.mesh["dp"].get_local_rank()
+        self.dp_group = self.mesh["dp"].get_group()  # a real group even of one rank: None would mean every rank
+        self.tp_group = self.tp_mesh = None
+        self.pp, self.pp_rank, self.pp_group = pp, self.mesh["pp"].get_local_rank(), self.mesh["pp"].get_group()
+        self._check_prompt_counts()
+
+    def _check_prompt_counts(self) -> None:
+        rl, n = self.cfg.rl, self.dp_size * self.pp  # every pp rank generates its own share
         for name in ("prompts_per_step", "eval_problems"):
-            if getattr(rl, name) % self.dp_size:
+            if getattr(rl, name) % n:
+                what = "data-parallel replicas" if self.pp == 1 else "data-parallel replicas x pipeline ranks"
                 raise ConfigError(f"rl.{name}: {getattr(rl, name)} is not allowed; must be a multiple of the number "
-                                  f"of data-parallel replicas ({self.dp_size})")
+                                  f"of {what} ({n})")
+
+    def _build_pipeline(self) -> None:
+        """This rank's stages (sharing parameters with the full rollout model) and the replica sync."""
+        from meshtron.parallel.parts import ModelParts
+        from meshtron.parallel.pipeline import build_pipeline
+        from meshtron.rl.pipeline import ReplicaSync, RLPipeline
+        from meshtron.rl.replay import has_routers
+
+        if self.cfg.rl.router_replay and has_routers(self.model):
+            raise ConfigError("rl.router_replay: routing replay is not supported with parallel.pp > 1 yet; "
+                              "set rl.router_replay false")
+        self.pipeline = build_pipeline(self.model, self.mesh, self.dims, self.cfg, self.device, RLPipeline,
+                                       check_micro_batches=False)
+        self.train_model = ModelParts(self.pipeline.parts)
+        self.sync_replica = ReplicaSync(self.model, set(self.train_model.state_dict()), self.pp_group)
+
+    def _sync(self) -> None:
+        """Under pp: bring the rollout model's other stages up to date (their owners trained them)."""
+        if self.sync_replica is not None:
+            self.sync_replica()
 
     def _tensor_parallel_backend(self) -> InferenceBackend:
         from meshtron.rl.replay import has_routers
@@ -158,7 +214,7 @@ class GRPOTrainer:
     def warmup(self, logger: MetricsLogger) -> None:
         """Supervised steps on the environment's demonstrations (prompt -> solution + end of document)."""
         rl, t = self.cfg.rl, self.cfg.train
-        optimizer = build_optimizer(self.model, replace(self.cfg.optimizer, lr=rl.warmup_lr))
+        optimizer = build_optimizer(self.train_model, replace(self.cfg.optimizer, lr=rl.warmup_lr))
         schedule = LRSchedule(rl.warmup_lr, SchedulerConfig(warmup_steps=min(10, rl.warmup_steps), decay_style="cosine",
                                                              min_lr=rl.warmup_lr * 0.1), rl.warmup_steps)
         problems = self.env.get_dataset("train", rl.warmup_steps * rl.warmup_batch_size, seed=t.seed + 1)
@@ -172,38 +228,60 @@ class GRPOTrainer:
             total = all_reduce([float(sum(map(len, answers)))], group=self.dp_group)[0]
             weights = token_weights([len(a) for a in answers], "token_mean", rl.max_new_tokens, int(total))
             seqs = [TrainSequence(p + a, len(p), w) for p, a, w in zip(prompts, answers, weights)]
-            metrics = supervised_step(self.model, optimizer, seqs, rl.pack_length, self.tokenizer.pad_id,
-                                      t.micro_batch_size, self.device, schedule(step), self.cfg.optimizer.clip_grad,
-                                      self.dp_group)
+            if self.pipeline is not None:
+                from meshtron.rl.pipeline import pipeline_supervised_step
+
+                metrics = pipeline_supervised_step(self.pipeline, self.train_model, optimizer, seqs, rl.pack_length,
+                                                   self.tokenizer.pad_id, t.micro_batch_size, self.device,
+                                                   schedule(step), self.cfg.optimizer.clip_grad, self.dp_group)
+            else:
+                metrics = supervised_step(self.model, optimizer, seqs, rl.pack_length, self.tokenizer.pad_id,
+                                          t.micro_batch_size, self.device, schedule(step),
+                                          self.cfg.optimizer.clip_grad, self.dp_group)
             if step % self.cfg.logger.log_interval == 0 or step == rl.warmup_steps:
                 logger.log(step, metrics, kind="warmup")
         self.backend.suspend()  # the prefix cache holds keys/values of the weights before the warm-up
         self.warmup_done = True
 
     def evaluate(self) -> dict[str, float]:
-        mine = [self.eval_problems[i] for i in range(self.dp_rank, len(self.eval_problems), self.dp_size)]
+        self._sync()
+        n, at = self.dp_size * self.pp, self.dp_rank * self.pp + self.pp_rank  # under pp every rank evaluates
+        mine = [self.eval_problems[i] for i in range(at, len(self.eval_problems), n)]
         out = self.evaluator.evaluate(self.backend, self.env, self.tokenizer, mine)
         keys = sorted(out)
-        sums = all_reduce([out[k] * len(mine) for k in keys], group=self.dp_group)
+        sums = all_reduce([out[k] * len(mine) for k in keys], group=self.dp_group if self.pp == 1 else None)
         return {k: v / len(self.eval_problems) for k, v in zip(keys, sums)}
 
     def grpo_step(self) -> dict[str, float]:
         rl = self.cfg.rl
         local = rl.prompts_per_step // self.dp_size
         first = self.consumed_prompts + self.dp_rank * local
-        problems = [self.train_problems[(first + i) % len(self.train_problems)] for i in range(local)]
+        share = local // self.pp  # under pp each stage's rank generates a share, then they swap rollouts
+        mine = first + self.pp_rank * share
+        problems = [self.train_problems[(mine + i) % len(self.train_problems)] for i in range(share)]
         t0 = time.perf_counter()
+        self._sync()
         rollouts = self.rollouts.generate(self.backend, self.env, self.tokenizer, problems, self.sampling(),
-                                          self.cfg.train.seed, self.step, first_group=first)
+                                          self.cfg.train.seed, self.step, first_group=mine)
         if len(rollouts) != len(problems) * rl.group_size:
             raise RuntimeError(f"the rollout generator returned {len(rollouts)} rollouts for {len(problems)} prompts; "
                                f"it must return rl.group_size={rl.group_size} per prompt, groups consecutive")
+        if self.pp > 1:
+            from meshtron.rl.pipeline import gather_objects
+
+            rollouts = gather_objects(rollouts, self.pp_group)
         rollout_s = time.perf_counter() - t0
         rewards = assign_advantages(rollouts, rl.group_size, rl.scale_advantages_by_std, rl.reward_clip)
         self.backend.suspend()  # frees the KV cache; the old weights' keys/values must not be reused
         t1 = time.perf_counter()
-        update = GRPOUpdate(self.model, self.optimizer, rl, self.cfg.optimizer.clip_grad, self.tokenizer.pad_id,
-                            self.cfg.train.micro_batch_size, self.device, self.ref_model, self.dp_group)
+        args = (self.train_model, self.optimizer, rl, self.cfg.optimizer.clip_grad, self.tokenizer.pad_id,
+                self.cfg.train.micro_batch_size, self.device)
+        if self.pipeline is not None:
+            from meshtron.rl.pipeline import PipelineGRPOUpdate
+
+            update = PipelineGRPOUpdate(self.pipeline, self.ref_parts, *args, group=self.dp_group)
+        else:
+            update = GRPOUpdate(*args, self.ref_model, self.dp_group)
         mini_batches = split_mini_batches(rollouts, rl.updates_per_step, self.cfg.train.seed, self.step,
                                           self.consumed_prompts, rl.prompts_per_step, rl.group_size)
 
@@ -240,15 +318,21 @@ class GRPOTrainer:
                 "ref_model": None if self.ref_model is None else self._ref_state()}
 
     def _ref_state(self) -> dict[str, torch.Tensor]:
-        """The reference weights whole (tensor-parallel shards gathered: every rank loads its own shard)."""
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.ref_model.state_dict().items()}
+        """The reference weights whole (tensor-parallel shards gathered, pipeline stages collected:
+        every rank loads its own part)."""
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.ref_model.state_dict().items()}
+        if self.pp > 1:
+            parts: list[Optional[dict]] = [None] * self.pp
+            dist.all_gather_object(parts, state, group=self.pp_group)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state
 
     def save(self) -> None:
-        self.checkpoints.save(self.step, self.model, self.optimizer, self.state(),
+        self.checkpoints.save(self.step, self.train_model, self.optimizer, self.state(),
                               yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
 
     def load(self, path: str | Path) -> None:
-        state = load_checkpoint(path, self.model, self.optimizer)
+        state = load_checkpoint(path, self.train_model, self.optimizer)
         if state.get("model_only"):
             return
         self.step, self.optimizer_steps = int(state["step"]), int(state["optimizer_steps"])
@@ -264,6 +348,12 @@ class GRPOTrainer:
         set_rng_state(state["rng"])
 
     def _frozen_copy(self) -> torch.nn.Module:
+        """A frozen copy of the trained weights (under pp: of this rank's stages, kept in ref_parts)."""
+        if self.pipeline is not None:
+            from meshtron.parallel.parts import ModelParts
+
+            self.ref_parts = [copy.deepcopy(part).eval().requires_grad_(False) for part in self.pipeline.parts]
+            return ModelParts(self.ref_parts)
         ref = copy.deepcopy(self.model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)

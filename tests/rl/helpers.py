@@ -54,7 +54,7 @@ def grpo_history(rank: int, world_size: int, overrides: dict[str, str]) -> list[
 
 def grpo_step_gradients(rank: int, world_size: int, overrides: dict[str, str], steps: int = 1):
     """Run `steps` GRPO steps; return each step's metrics and the full (unsharded) gradients the
-    optimizer saw on its first step."""
+    optimizer saw on its first step (under pp: of this rank's stages)."""
     from torch.distributed.tensor import DTensor
 
     from meshtron.config import load_config
@@ -65,7 +65,7 @@ def grpo_step_gradients(rank: int, world_size: int, overrides: dict[str, str], s
 
     def capture(optimizer, args, kwargs):
         if not grads:
-            for name, p in trainer.model.named_parameters():
+            for name, p in trainer.train_model.named_parameters():  # under pp: this rank's stages
                 g = p.grad
                 grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
 
