@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map
 
 MANIFEST = "manifest.json"
@@ -98,11 +98,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def model_optimizer_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    """DCP-ready state: `get_state_dict` gives keys by parameter name, so layouts can reshard."""
+    """DCP-ready state: `get_state_dict` gives keys by parameter name, so layouts can reshard. The
+    optimizer state is flattened to one key per parameter and setting ("param_groups.<name>.lr"):
+    the nested form keeps one `param_groups` list per rank under one key, and when pipeline stages
+    hold different parameters only one rank's list would be saved."""
     if optimizer is None:
         return {"model": get_state_dict(model, [])[0]}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -226,7 +232,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=OPTIONS)
     return trainer_state
 
 

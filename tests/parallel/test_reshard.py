@@ -122,3 +122,18 @@ def test_pp2_tied_checkpoint_resumes_in_one_process(tmp_path):
     overrides = {**tied, "checkpoint.load": str(ck), "train.run_dir": str(tmp_path / "run")}
     losses = [r.loss for r in Trainer(load_config(overrides=overrides, world_size=1)).train()]
     assert losses == pytest.approx(ref[3:], abs=1e-6, rel=0)
+
+
+def test_pp2_checkpoint_resumes_under_pp2(tmp_path):
+    """Each stage's optimizer settings (lr, momentum of its own parameters) survive a PP2 save and load:
+    the optimizer state is saved flattened by parameter name, not as one rank's param_groups list."""
+    ref = [r.loss for r in Trainer(load_config(overrides={**COMMON, "train.run_dir": str(tmp_path / "ref")},
+                                               world_size=1)).train()]
+    pp2 = {**COMMON, "parallel.pp": "2"}
+    ck = tmp_path / "ck_pp2"
+    run_ranks("meshtron.testing.parity:train_and_report", 2, timeout_s=240,
+              overrides={**pp2, "train.train_iters": "3", "checkpoint.save_at_end": "true",
+                         "checkpoint.save": str(ck), "train.run_dir": str(tmp_path / "pp2")})
+    losses = run_ranks("meshtron.testing.parity:train_and_report", 2, timeout_s=240,
+                       overrides={**pp2, "checkpoint.load": str(ck), "train.run_dir": str(tmp_path / "run")})[0]["losses"]
+    assert losses == pytest.approx(ref[3:], abs=1e-6, rel=0)

@@ -57,7 +57,7 @@ def test_data_and_pipeline_parallel_warmup_grpo_and_resume(tmp_path):
     from tests.rl.helpers import grpo_history
 
     common = {**PP_RL, "rl.warmup_steps": "2", "rl.warmup_batch_size": "8", "rl.warmup_lr": "1e-3",
-              "rl.eval_interval": "2", "rl.eval_samples": "2", "train.train_iters": "4"}
+              "rl.eval_interval": "2", "rl.eval_samples": "2", "rl.eval_k": "2", "train.train_iters": "4"}
     single = grpo_history(0, 1, {**common, "train.run_dir": str(tmp_path / "single")})
     dist = {**common, "parallel.pp": "2"}
     full = run_ranks("tests.rl.helpers:grpo_history", 4, timeout_s=600,
