@@ -113,8 +113,9 @@ class GRPOTrainer:
 
     def _setup_distributed(self) -> None:
         """Ranks form (dp, tp) with tp innermost: rank = dp_rank * tp + tp_rank. Prompts are shared
-        over dp; the ranks of a TP group hold one sharded model and the same rollouts."""
-        p, rl = self.cfg.parallel, self.cfg.rl
+        over dp; the ranks of a TP group hold one sharded model and the same rollouts. With pp > 1:
+        `_setup_pipeline_groups`."""
+        p = self.cfg.parallel
         for name in ("cp", "ep"):
             if getattr(p, name) != 1:
                 raise ConfigError(f"parallel.{name}: {getattr(p, name)} is not allowed for meshtron rl; the rollout "
