@@ -99,16 +99,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+NESTED = StateDictOptions()  # checkpoints written before 24 Nov 2026: `optimizer.param_groups` as a list
 
 
-def model_optimizer_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+def model_optimizer_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                          options: Optional[StateDictOptions] = None) -> dict[str, Any]:
     """DCP-ready state: `get_state_dict` gives keys by parameter name, so layouts can reshard. The
     optimizer state is flattened to one key per parameter and setting ("param_groups.<name>.lr"):
     the nested form keeps one `param_groups` list per rank under one key, and when pipeline stages
     hold different parameters only one rank's list would be saved."""
     if optimizer is None:
         return {"model": get_state_dict(model, [])[0]}
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options or OPTIONS)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -220,7 +222,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     if trainer_state.get("model_only"):
         optimizer = None
     # ----------------------------------------------------------------------------------------------
-    state = model_optimizer_state(model, optimizer)
+    options = NESTED if optimizer is not None and _nested_optimizer_state(step_dir) else OPTIONS
+    state = model_optimizer_state(model, optimizer, options)
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(step_dir))
@@ -233,8 +236,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=OPTIONS)
+                       options=options)
     return trainer_state
+
+
+def _nested_optimizer_state(step_dir: Path) -> bool:
+    """Whether the checkpoint keeps the optimizer's param_groups as a nested list (the older form), whose
+    first group has the key `optimizer.param_groups.0.params` (flattened keys are `...<name>.<setting>`)."""
+    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return "optimizer.param_groups.0.params" in keys
 
 
 def read_checkpoint_config(path: str | Path) -> str:

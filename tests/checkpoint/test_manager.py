@@ -39,6 +39,27 @@ def test_round_trip_restores_model_optimizer_and_state(tmp_path):
         assert torch.equal(opt.state[a]["exp_avg_sq"], fresh_opt.state[b]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("form", ["flattened", "nested"])
+def test_both_optimizer_state_forms_load(tmp_path, monkeypatch, form):
+    """Checkpoints save the optimizer state flattened by parameter name; the nested form of older
+    checkpoints (one param_groups list) still loads, settings (lr, betas) included."""
+    from meshtron.checkpoint import manager
+
+    if form == "nested":
+        monkeypatch.setattr(manager, "OPTIONS", manager.NESTED)
+    model, opt = model_and_opt(0)
+    opt.param_groups[0]["lr"] = 0.025
+    save(CheckpointManager(tmp_path), 5, model, opt)
+    monkeypatch.undo()
+    keys = manager.dcp.FileSystemReader(str(tmp_path / step_dir_name(5))).read_metadata().state_dict_metadata
+    assert ("optimizer.param_groups.0.params" in keys) == (form == "nested")
+    fresh, fresh_opt = model_and_opt(1)
+    load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert fresh_opt.param_groups[0]["lr"] == 0.025 and fresh_opt.param_groups[0]["betas"] == (0.9, 0.999)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
+
+
 def test_exception_inside_writer_keeps_previous(tmp_path):
     model, opt = model_and_opt(0)
     manager = CheckpointManager(tmp_path)
