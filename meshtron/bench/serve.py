@@ -101,22 +101,32 @@ def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
             "ttft_mean_ms": statistics.fmean(ttft) * 1e3}
 
 
-def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False):
+def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False, fused: bool = False):
     from meshtron.data.tokenizer import ByteTokenizer
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
 
     return LLMEngine(model, ByteTokenizer(), EngineConfig(
         device=args.device, max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=16, kv_cache_memory_mb=256, cuda_graphs=cuda_graphs,
+        block_size=16, kv_cache_memory_mb=256, cuda_graphs=cuda_graphs, compile_decode_attention=fused,
         cuda_graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(max_num_seqs, 1))))
 
 
-def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int,
-               cuda_graphs: bool = False) -> tuple[list[Timing], float, list[list[int]]]:
+def warm_up_fused(model: GPTModel, prompts, args) -> float:
+    """Compile the fused decode attention before any timed run (process-wide, dynamic shapes); -> seconds."""
     from meshtron.inference.request import SamplingParams
 
-    engine = build_engine(model, args, max_num_seqs, cuda_graphs)
+    start = time.perf_counter()
+    build_engine(model, args, 8, fused=True).generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0,
+                                                                                  ignore_eos=True))
+    return time.perf_counter() - start
+
+
+def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int,
+               cuda_graphs: bool = False, fused: bool = False) -> tuple[list[Timing], float, list[list[int]]]:
+    from meshtron.inference.request import SamplingParams
+
+    engine = build_engine(model, args, max_num_seqs, cuda_graphs, fused)
     start = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
            for p, m in zip(prompts, outputs)]
@@ -300,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="further engine runs with these max_num_seqs (the paged cache wastes no memory on padding, "
                         "so the engine can run more requests at once than a static batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
+    p.add_argument("--compile-decode-attention", default="both", choices=["off", "on", "both"],
+                   help="engine rows without / with the compiled fused decode attention (engine.compile_decode_attention)")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive", "decode"])
     p.add_argument("--repeats", type=int, default=1, help="runs of each system; the run of median wall time is reported")
@@ -344,11 +356,16 @@ def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens,
         return out
 
     if "engine" not in args.skip:
-        for graphs in graph_settings(args):
-            suffix = " graphs" if graphs else ""
+        fused_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode_attention]
+        if True in fused_settings:
+            notes.append(f"compile_decode_attention: compiled in {warm_up_fused(model, prompts, args):.1f} s "
+                         "before the timed runs")
+        for graphs, fused in [(g, f) for g in graph_settings(args) for f in fused_settings]:
+            suffix = (" graphs" if graphs else "") + (" fused" if fused else "")
             for max_num_seqs in [args.batch_size, *args.engine_max_num_seqs]:
-                engine_tokens = record(f"meshtron engine s={max_num_seqs}{suffix}", lambda s=max_num_seqs, g=graphs:
-                                       run_engine(model, prompts, outputs, args, s, g))
+                engine_tokens = record(f"meshtron engine s={max_num_seqs}{suffix}",
+                                       lambda s=max_num_seqs, g=graphs, f=fused:
+                                       run_engine(model, prompts, outputs, args, s, g, f))
                 tokens.setdefault("engine", engine_tokens)
                 if engine_tokens != tokens["engine"]:
                     notes.append(f"engine s={max_num_seqs}{suffix}: greedy tokens differ from the first engine run")

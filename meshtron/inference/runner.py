@@ -94,6 +94,11 @@ class ModelRunner:
         self.params: dict[str, SamplingParams] = {}
         self.cost_weights = cost_weights(model)
         self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
+        self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled
+        if cfg.compile_decode_attention:
+            from meshtron.inference.fused_attention import compiled_paged_decode_attention
+
+            self.decode_attention = compiled_paged_decode_attention()
         self.graphs = None
         if cfg.cuda_graphs:
             from meshtron.inference.cuda_graphs import CudaGraphRunner
@@ -140,7 +145,7 @@ class ModelRunner:
                 return result
         if self.cfg.layout == "varlen":
             self.num_forwards["varlen"] += 1
-            batch = build_varlen_batch(chunks, self.cache, self.states)
+            batch = build_varlen_batch(chunks, self.cache, self.states, self.decode_attention)
             logits = self.model(batch.tokens, batch.ctx)
             return logits[0, batch.sample_index], batch.sample_req_ids
         if self.cfg.layout == "auto":

@@ -8,6 +8,8 @@ and attention is split by the context's own `attend` (see `nn.attention_core.att
   within a factor `BUCKET_RATIO` of each other; each bucket gathers its key/value blocks, padded only
   to the bucket's longest context, and runs one batched attention with queries of length 1;
 - each prefill chunk attends alone to its own blocks (causal from its start position).
+With `decode_attention` (engine.compile_decode_attention) the decode buckets call that function on
+the cache tensors and block table instead of gathering (see `fused_attention`).
 `update_kv` writes the new keys/values into their slots and hands back the layer's cache tensors,
 which `attend` reads through the groups' block tables. Groups, block indices and masks are built
 once per step and shared by every layer; masks are cached per window size. Mamba layers get their
@@ -16,6 +18,7 @@ per-request states through `mamba_states` (see `mamba_state.MambaStepGroups`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -79,6 +82,8 @@ class VarlenPagedContext:
     cache: PagedKVCache
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mamba: Optional[MambaStepGroups] = None
+    # (q, k_cache, v_cache, key_blocks, bias, scale) -> out, for decode buckets (fused_attention); None: gather
+    decode_attention: Optional[Callable[..., torch.Tensor]] = None
 
     def mamba_states(self, layer_id: int) -> Optional[list[RecurrentState]]:
         return self.mamba.states(layer_id) if self.mamba is not None else None
@@ -104,6 +109,11 @@ class VarlenPagedContext:
                 q_g = q[:, :, lo:hi]
             else:  # decodes: one query per row
                 q_g = q[0].index_select(1, g.query_index).transpose(0, 1)[:, :, None]  # (rows, heads, 1, dk)
+                if self.decode_attention is not None and sink_logits is None:
+                    o = self.decode_attention(q_g, k_cache, v_cache, g.key_blocks, g.bias(bs, window_size, q.dtype),
+                                              scale)
+                    out[0].index_copy_(1, g.query_index, o[:, :, 0].transpose(0, 1))
+                    continue
             flat = g.key_blocks.reshape(-1)
             k_g, v_g = (c.index_select(0, flat).view(rows, blocks * bs, *c.shape[2:]).transpose(1, 2)
                         for c in (k_cache, v_cache))  # (rows, kv_heads, keys, d)
@@ -133,7 +143,8 @@ def _decode_buckets(lengths: list[int]) -> list[list[int]]:
 
 
 def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
-                       states: Optional[MambaStateCache] = None) -> PagedBatch:
+                       states: Optional[MambaStateCache] = None,
+                       decode_attention: Optional[Callable[..., torch.Tensor]] = None) -> PagedBatch:
     """One packed row of every chunk's tokens, with decode buckets and per-chunk prefill groups
     (and, with `states`, the Mamba state groups)."""
     bs, device = cache.block_size, cache.device
@@ -178,6 +189,6 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
 
     mamba = MambaStepGroups.build(chunks, starts, states) if states is not None else None
     ctx = VarlenPagedContext(positions=t(positions)[None], write_slots=t(slots), groups=groups, cache=cache,
-                             mamba=mamba)
+                             mamba=mamba, decode_attention=decode_attention)
     return PagedBatch(t(tokens)[None], ctx, torch.tensor(sample_index, dtype=torch.long, device=device),
                       sample_req_ids)
