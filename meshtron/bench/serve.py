@@ -113,12 +113,16 @@ def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = F
 
 
 def warm_up_fused(model: GPTModel, prompts, args) -> float:
-    """Compile the fused decode attention before any timed run (process-wide, dynamic shapes); -> seconds."""
+    """Compile the fused decode attention before any timed run (process-wide, dynamic shapes, but
+    torch.compile specialises sizes 0 and 1: one decode and a one-block context get their own
+    kernels, so the warm-up runs one short request alone, then several); -> seconds."""
     from meshtron.inference.request import SamplingParams
 
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    build_engine(model, args, 8, fused=True).generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0,
-                                                                                  ignore_eos=True))
+    engine = build_engine(model, args, 8, fused=True)
+    engine.generate([[1, 2, 3]], params)
+    engine.generate(prompts[:8], params)
     return time.perf_counter() - start
 
 
@@ -306,10 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
     p.add_argument("--batch-size", type=int, default=32, help="static batch size (and the engine's first max_num_seqs)")
-    p.add_argument("--engine-max-num-seqs", type=int, nargs="*", default=[128],
+    p.add_argument("--engine-max-num-seqs", type=int, nargs="*", default=[128, 256],
                    help="further engine runs with these max_num_seqs (the paged cache wastes no memory on padding, "
                         "so the engine can run more requests at once than a static batch)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="engine token budget per step")
     p.add_argument("--compile-decode-attention", default="both", choices=["off", "on", "both"],
                    help="engine rows without / with the compiled fused decode attention (engine.compile_decode_attention)")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")

@@ -8,8 +8,10 @@ and attention is split by the context's own `attend` (see `nn.attention_core.att
   within a factor `BUCKET_RATIO` of each other; each bucket gathers its key/value blocks, padded only
   to the bucket's longest context, and runs one batched attention with queries of length 1;
 - each prefill chunk attends alone to its own blocks (causal from its start position).
-With `decode_attention` (engine.compile_decode_attention) the decode buckets call that function on
-the cache tensors and block table instead of gathering (see `fused_attention`).
+With `decode_attention` (engine.compile_decode_attention) the decodes form one bucket, which calls
+that function on the cache tensors and block table instead of gathering (see `fused_attention`):
+its padded key blocks all read the one scratch block, which stays in the CPU cache, and one call per
+layer costs less than several (measured ~10% faster end to end than buckets at BUCKET_RATIO).
 `update_kv` writes the new keys/values into their slots and hands back the layer's cache tensors,
 which `attend` reads through the groups' block tables. Groups, block indices and masks are built
 once per step and shared by every layer; masks are cached per window size. Mamba layers get their
@@ -129,13 +131,13 @@ class VarlenPagedContext:
         return out
 
 
-def _decode_buckets(lengths: list[int]) -> list[list[int]]:
+def _decode_buckets(lengths: list[int], ratio: float = BUCKET_RATIO) -> list[list[int]]:
     """Indices into `lengths` (key blocks per decode) grouped so that each bucket's shortest context is
-    at least BUCKET_RATIO of its longest."""
+    at least `ratio` of its longest (0: one bucket)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     buckets: list[list[int]] = []
     for i in order:
-        if buckets and lengths[i] >= BUCKET_RATIO * lengths[buckets[-1][0]]:
+        if buckets and lengths[i] >= ratio * lengths[buckets[-1][0]]:
             buckets[-1].append(i)
         else:
             buckets.append([i])
@@ -173,7 +175,7 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
         at += n
     if decodes:
         needed = [-(-(chunks[i].start_pos + 1) // bs) for i in decodes]
-        for bucket in _decode_buckets(needed):
+        for bucket in _decode_buckets(needed, 0.0 if decode_attention is not None else BUCKET_RATIO):
             width = needed[bucket[0]]
             key_blocks = np.full((len(bucket), width), cache.scratch_block, dtype=np.int64)
             for r, j in enumerate(bucket):
