@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from meshtron.config import ModelConfig
@@ -84,3 +86,20 @@ def save_tiny_checkpoint(directory, kind: str = "gqa-rope", max_len: int = 96) -
     cfg.tokenizer.type = "byte"
     CheckpointManager(directory).save(0, model, None, {"step": 0}, yaml.safe_dump(config_to_dict(cfg)))
     return str(directory)
+
+
+def wait_ready(url: str, proc=None, timeout_s: float = 180.0) -> None:
+    """Poll `url`/health until it answers 200; `proc` (a server subprocess) failing ends the wait."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not become ready")

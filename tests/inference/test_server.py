@@ -18,24 +18,10 @@ import httpx
 import pytest
 
 from meshtron.testing.multiprocess import free_port
-from tests.inference.helpers import save_tiny_checkpoint
+from tests.inference.helpers import save_tiny_checkpoint, wait_ready
 
 openai = pytest.importorskip("openai")
 NUM_BLOCKS = 256
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not become ready")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from meshtron.inference.server import build_server
 from meshtron.testing.multiprocess import free_port
-from tests.inference.helpers import engine, tiny_model
+from tests.inference.helpers import engine, tiny_model, wait_ready
 
 httpx = pytest.importorskip("httpx")
 NUM_BLOCKS = 64
@@ -30,13 +30,7 @@ def test_drain_answers_503_then_aborts_what_is_left_with_an_error():
     runner = threading.Thread(target=server.run, daemon=True)
     runner.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1000):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.02)
+    wait_ready(url)
     body = {"prompt": "drain", "max_tokens": 80, "temperature": 0, "ignore_eos": True}
     streamed, answered = [], []
 

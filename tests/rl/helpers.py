@@ -74,3 +74,18 @@ def grpo_step_gradients(rank: int, world_size: int, overrides: dict[str, str], s
         trainer.ref_model = trainer._frozen_copy()
     history = [trainer.grpo_step() for _ in range(steps)]
     return history, grads
+
+
+def resumed_histories(common: dict[str, str], world_size: int, tmp_path, timeout_s: float = 300):
+    """(the uninterrupted run's history, the history of a run saved after step 2 and resumed); both
+    under `world_size` ranks with `common` overrides (train.train_iters 4)."""
+    from meshtron.testing.multiprocess import run_ranks
+
+    def run(**extra):
+        return run_ranks("tests.rl.helpers:grpo_history", world_size, timeout_s=timeout_s,
+                         overrides={**common, **extra})[0]
+
+    full = run(**{"train.run_dir": str(tmp_path / "a")})
+    run(**{"train.train_iters": "2", "checkpoint.save_at_end": "true", "train.run_dir": str(tmp_path / "b")})
+    tail = run(**{"checkpoint.load": str(tmp_path / "b" / "checkpoints"), "train.run_dir": str(tmp_path / "b")})
+    return full, tail

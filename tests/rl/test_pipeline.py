@@ -53,24 +53,15 @@ def test_data_and_pipeline_parallel_warmup_grpo_and_resume(tmp_path):
     """dp2 x pp2 (4 ranks): a warm-up, GRPO steps with an evaluation, a checkpoint with the reference
     model's stages; a run resumed from step 2 repeats steps 3 and 4 of the uninterrupted run, and
     both match the single process."""
-    from meshtron.testing.multiprocess import run_ranks
-    from tests.rl.helpers import grpo_history
+    from tests.rl.helpers import grpo_history, resumed_histories
 
     common = {**PP_RL, "rl.warmup_steps": "2", "rl.warmup_batch_size": "8", "rl.warmup_lr": "1e-3",
               "rl.eval_interval": "2", "rl.eval_samples": "2", "rl.eval_k": "2", "train.train_iters": "4"}
     single = grpo_history(0, 1, {**common, "train.run_dir": str(tmp_path / "single")})
-    dist = {**common, "parallel.pp": "2"}
-    full = run_ranks("tests.rl.helpers:grpo_history", 4, timeout_s=600,
-                     overrides={**dist, "train.run_dir": str(tmp_path / "a")})[0]
+    full, tail = resumed_histories({**common, "parallel.pp": "2"}, 4, tmp_path, timeout_s=600)
     for a, b in zip(single, full):
         for key in ("reward_mean", "rollout_tokens", "loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
-    run_ranks("tests.rl.helpers:grpo_history", 4, timeout_s=600,
-              overrides={**dist, "train.train_iters": "2", "checkpoint.save_at_end": "true",
-                         "train.run_dir": str(tmp_path / "b")})
-    tail = run_ranks("tests.rl.helpers:grpo_history", 4, timeout_s=600,
-                     overrides={**dist, "checkpoint.load": str(tmp_path / "b" / "checkpoints"),
-                                "train.run_dir": str(tmp_path / "b")})[0]
     assert [h["step"] for h in tail] == [3, 4]
     for a, b in zip(full[2:], tail):
         for key in ("reward_mean", "loss", "kl", "grad_norm"):

@@ -82,17 +82,9 @@ def test_tensor_parallel_moe_with_router_replay_matches_the_single_process(tmp_p
 def test_tensor_parallel_resume_reproduces_the_uninterrupted_run(tmp_path):
     """Under tp=2 the checkpoint holds the sharded model, optimizer and reference model; a run resumed
     after step 2 repeats steps 3 and 4 of the uninterrupted run."""
-    from meshtron.testing.multiprocess import run_ranks
+    from tests.rl.helpers import resumed_histories
 
-    common = {**TP_RL, "parallel.tp": "2", "train.train_iters": "4"}
-    full = run_ranks("tests.rl.helpers:grpo_history", 2, timeout_s=300,
-                     overrides={**common, "train.run_dir": str(tmp_path / "a")})[0]
-    run_ranks("tests.rl.helpers:grpo_history", 2, timeout_s=300,
-              overrides={**common, "train.train_iters": "2", "checkpoint.save_at_end": "true",
-                         "train.run_dir": str(tmp_path / "b")})
-    tail = run_ranks("tests.rl.helpers:grpo_history", 2, timeout_s=300,
-                     overrides={**common, "checkpoint.load": str(tmp_path / "b" / "checkpoints"),
-                                "train.run_dir": str(tmp_path / "b")})[0]
+    full, tail = resumed_histories({**TP_RL, "parallel.tp": "2", "train.train_iters": "4"}, 2, tmp_path)
     assert [h["step"] for h in tail] == [3, 4]
     for a, b in zip(full[2:], tail):
         for key in ("reward_mean", "loss", "kl", "grad_norm"):
