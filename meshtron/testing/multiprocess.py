@@ -8,6 +8,12 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), calls
 `function(rank, world_size, **kwargs)`, and writes its return value with `torch.save`.
 The caller gets the list of per-rank results, or a RankFailure naming the ranks that failed with
 their tracebacks. Every rank is killed when `timeout_s` passes.
+
+A rank killed by a native crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: a fault inside torch, gloo
+or glibc, not a Python error, a hang or a wrong number) gets the whole run repeated once, with a
+warning that carries the crash's output (every thread's Python stack, from faulthandler); a second
+crash fails. CI saw one such crash (glibc heap-corruption abort in gloo-backed TP training) that 80
+reruns could not reproduce.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +47,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# exit codes of a rank killed by one of these signals: a native crash, worth one rerun
+NATIVE_CRASHES = {-int(s) for s in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)}
+STATUS_FILE = "status.pkl"
+
+
 def run_ranks(target: str, world_size: int, timeout_s: float = 120.0, env: dict[str, str] | None = None,
               allow_failures: bool = False, **kwargs: Any) -> list[Any]:
     """Run `target` ("module:function") on `world_size` ranks and return their results in rank order.
 
-    With allow_failures, a failed rank's entry is a RankError instead of raising RankFailure.
+    With allow_failures, a failed rank's entry is a RankError instead of raising RankFailure. A run in
+    which a rank crashed natively is repeated once (see the module docstring).
     """
+    try:
+        return _run_ranks_once(target, world_size, timeout_s, env, allow_failures, kwargs)
+    except _NativeCrash as crash:
+        warnings.warn(f"{target}: {crash}; running it once more", RuntimeWarning, stacklevel=2)
+    try:
+        return _run_ranks_once(target, world_size, timeout_s, env, allow_failures, kwargs)
+    except _NativeCrash as crash:
+        raise RankFailure(f"{target} crashed natively twice; the second time: {crash}") from None
+
+
+class _NativeCrash(Exception):
+    pass
+
+
+def _run_ranks_once(target: str, world_size: int, timeout_s: float, env: dict[str, str] | None,
+                    allow_failures: bool, kwargs: dict[str, Any]) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="meshtron-ranks-") as tmp:
         spec = Path(tmp) / "spec.pkl"
         spec.write_bytes(pickle.dumps({"target": target, "world_size": world_size, "kwargs": kwargs,
@@ -53,6 +82,12 @@ def run_ranks(target: str, world_size: int, timeout_s: float = 120.0, env: dict[
         proc = subprocess.run([sys.executable, "-m", "meshtron.testing.multiprocess", str(spec)],
                               capture_output=True, text=True, timeout=timeout_s + 60,
                               env={**os.environ, **(env or {})})
+        status_file = Path(tmp) / STATUS_FILE
+        codes = pickle.loads(status_file.read_bytes()) if status_file.exists() else {}
+        crashed = {r: c for r, c in codes.items() if c in NATIVE_CRASHES}
+        if crashed:
+            which = ", ".join(f"rank {r} died of {signal.Signals(-c).name}" for r, c in sorted(crashed.items()))
+            raise _NativeCrash(f"{which}\nlauncher output:\n{proc.stderr[-4000:]}")
         results, errors = [], []
         for rank in range(world_size):
             ok, err = Path(tmp) / f"rank{rank}.pt", Path(tmp) / f"rank{rank}.err"
@@ -77,8 +112,11 @@ def _run_rank(rank: int, spec: dict[str, Any], port: int) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec["world_size"]),
                        "LOCAL_WORLD_SIZE": str(spec["world_size"]), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
+    import faulthandler
+
     import torch
 
+    faulthandler.enable()  # a native crash prints every thread's Python stack to the launcher's stderr
     torch.set_num_threads(1)
     out = Path(spec["out"])
     try:
@@ -126,6 +164,7 @@ def _launch(spec_path: str) -> int:
                     status[pid] = -9
             break
         time.sleep(0.01)
+    (Path(spec["out"]) / STATUS_FILE).write_bytes(pickle.dumps({r: status[pid] for r, pid in enumerate(pids)}))
     return 0 if all(c == 0 for c in status.values()) else 1
 
 
