@@ -101,36 +101,43 @@ def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
             "ttft_mean_ms": statistics.fmean(ttft) * 1e3}
 
 
-def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False, fused: bool = False):
+# --decode-attention choices: the engine options each turns on
+DECODE_ATTENTION = {"gather": {}, "compiled": {"compile_decode_attention": True},
+                    "native": {"native_decode_attention": True}}
+DECODE_SUFFIX = {"gather": "", "compiled": " compiled", "native": " native"}
+
+
+def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False, attention: str = "gather"):
     from meshtron.data.tokenizer import ByteTokenizer
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
 
     return LLMEngine(model, ByteTokenizer(), EngineConfig(
         device=args.device, max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=16, kv_cache_memory_mb=256, cuda_graphs=cuda_graphs, compile_decode_attention=fused,
+        block_size=16, kv_cache_memory_mb=256, cuda_graphs=cuda_graphs, **DECODE_ATTENTION[attention],
         cuda_graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(max_num_seqs, 1))))
 
 
-def warm_up_fused(model: GPTModel, prompts, args) -> float:
-    """Compile the fused decode attention before any timed run (process-wide, dynamic shapes, but
-    torch.compile specialises sizes 0 and 1: one decode and a one-block context get their own
-    kernels, so the warm-up runs one short request alone, then several); -> seconds."""
+def warm_up(model: GPTModel, prompts, args, attention: str) -> float:
+    """Build the decode attention before any timed run: the C kernel compiles once per machine; the
+    torch.compile kernel once per process, with dynamic shapes, but sizes 0 and 1 are specialised (one
+    decode and a one-block context get their own kernels, so the warm-up runs one short request alone,
+    then several); -> seconds."""
     from meshtron.inference.request import SamplingParams
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    engine = build_engine(model, args, 8, fused=True)
+    engine = build_engine(model, args, 8, attention=attention)
     engine.generate([[1, 2, 3]], params)
     engine.generate(prompts[:8], params)
     return time.perf_counter() - start
 
 
-def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int,
-               cuda_graphs: bool = False, fused: bool = False) -> tuple[list[Timing], float, list[list[int]]]:
+def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int, cuda_graphs: bool = False,
+               attention: str = "gather") -> tuple[list[Timing], float, list[list[int]]]:
     from meshtron.inference.request import SamplingParams
 
-    engine = build_engine(model, args, max_num_seqs, cuda_graphs, fused)
+    engine = build_engine(model, args, max_num_seqs, cuda_graphs, attention)
     start = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
            for p, m in zip(prompts, outputs)]
@@ -314,10 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="further engine runs with these max_num_seqs (the paged cache wastes no memory on padding, "
                         "so the engine can run more requests at once than a static batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="engine token budget per step")
-    p.add_argument("--compile-decode-attention", default="both", choices=["off", "on", "both"],
-                   help="engine rows without / with the compiled fused decode attention (engine.compile_decode_attention)")
+    p.add_argument("--decode-attention", nargs="+", default=list(DECODE_ATTENTION), choices=list(DECODE_ATTENTION),
+                   help="engine rows per decode attention: gather (gather + SDPA, the default engine), compiled "
+                        "(engine.compile_decode_attention) and native (engine.native_decode_attention)")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive", "decode"])
+    p.add_argument("--pairs", type=int, default=0,
+                   help="then time N interleaved pairs (static batches, engine at its largest concurrency and "
+                        "last --decode-attention) and report the median ratio")
     p.add_argument("--repeats", type=int, default=1, help="runs of each system; the run of median wall time is reported")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -343,14 +354,35 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     for name in ("repeats", "num_requests", "batch_size", "decode_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
+    if args.pairs < 0:
+        raise SystemExit(f"--pairs: {args.pairs} must be >= 0")
     if args.max_len < max(args.prompt_len) + max(args.output_len, default=0):
         raise SystemExit(f"--max-len: {args.max_len} is below the longest prompt + output "
                          f"({max(args.prompt_len) + max(args.output_len)}); raise it")
     args.device = resolve_device(args.device)
+    args.decode_attention = list(dict.fromkeys(args.decode_attention))
+    if args.device == "cuda" and "native" in args.decode_attention:
+        args.decode_attention.remove("native")  # a CPU kernel; the table then has no native rows
+        args.decode_attention = args.decode_attention or ["gather"]
     return args
 
 
-def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens, walls) -> None:
+def run_pairs(model: GPTModel, hf_dir: Path, prompts, outputs, args) -> list[dict[str, Any]]:
+    """--pairs N: N interleaved (static batches, engine) runs, the engine at its largest concurrency with
+    the last --decode-attention; one ratio per pair, so a slow spell of a shared machine hits both sides."""
+    attention = args.decode_attention[-1]
+    seqs = max(args.batch_size, *args.engine_max_num_seqs)
+    pairs = []
+    for _ in range(args.pairs):
+        _, static_wall, _ = run_static_hf(hf_dir, prompts, outputs, args)
+        _, engine_wall, _ = run_engine(model, prompts, outputs, args, seqs, attention=attention)
+        pairs.append({"engine": f"s={seqs}{DECODE_SUFFIX[attention]}", "static_wall_s": static_wall,
+                      "engine_wall_s": engine_wall, "ratio": static_wall / engine_wall})
+    return pairs
+
+
+def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens, walls,
+                pairs: list[dict[str, Any]]) -> None:
     def record(name: str, run) -> list[list[int]]:
         (timings, wall, out, cpu), all_walls = median_run([timed(run) for _ in range(args.repeats)])
         row = summarize(name, timings, wall)
@@ -360,16 +392,16 @@ def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens,
         return out
 
     if "engine" not in args.skip:
-        fused_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode_attention]
-        if True in fused_settings:
-            notes.append(f"compile_decode_attention: compiled in {warm_up_fused(model, prompts, args):.1f} s "
-                         "before the timed runs")
-        for graphs, fused in [(g, f) for g in graph_settings(args) for f in fused_settings]:
-            suffix = (" graphs" if graphs else "") + (" fused" if fused else "")
+        for attention in args.decode_attention:
+            if attention != "gather":
+                notes.append(f"{attention} decode attention: built in {warm_up(model, prompts, args, attention):.1f} s "
+                             "before the timed runs")
+        for graphs, attention in [(g, a) for g in graph_settings(args) for a in args.decode_attention]:
+            suffix = (" graphs" if graphs else "") + DECODE_SUFFIX[attention]
             for max_num_seqs in [args.batch_size, *args.engine_max_num_seqs]:
                 engine_tokens = record(f"meshtron engine s={max_num_seqs}{suffix}",
-                                       lambda s=max_num_seqs, g=graphs, f=fused:
-                                       run_engine(model, prompts, outputs, args, s, g, f))
+                                       lambda s=max_num_seqs, g=graphs, a=attention:
+                                       run_engine(model, prompts, outputs, args, s, g, a))
                 tokens.setdefault("engine", engine_tokens)
                 if engine_tokens != tokens["engine"]:
                     notes.append(f"engine s={max_num_seqs}{suffix}: greedy tokens differ from the first engine run")
@@ -381,13 +413,15 @@ def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens,
             else:
                 tokens["static"] = record(f"transformers static b={args.batch_size}",
                                           lambda: run_static_hf(hf_dir, prompts, outputs, args))
+                if args.pairs and "engine" not in args.skip:
+                    pairs[:] = run_pairs(model, hf_dir, prompts, outputs, args)
     if "naive" not in args.skip:
         n = args.naive_requests or len(prompts)
         name = "naive one-at-a-time" + (f" (first {n})" if n < len(prompts) else "")
         tokens["naive"] = record(name, lambda: run_naive(model, prompts[:n], outputs[:n]))
 
 
-def summarize_ratios(results, notes, tokens, args) -> dict[str, Any]:
+def summarize_ratios(results, notes, tokens, args, pairs: list[dict[str, Any]]) -> dict[str, Any]:
     by_name: dict[str, dict[str, Any]] = {}
     for r in results:  # the first engine row is the one at the static batch's concurrency
         by_name.setdefault(r["system"].split()[0], r)
@@ -403,6 +437,12 @@ def summarize_ratios(results, notes, tokens, args) -> dict[str, Any]:
         summary["engine_over_static_cpu"] = (by_name["meshtron"]["output_tokens_per_cpu_s"]
                                              / by_name["transformers"]["output_tokens_per_cpu_s"])
         notes.append(f"the same per CPU second (steadier on a shared machine): {summary['engine_over_static_cpu']:.2f}x")
+    if pairs:
+        ratios = [p["ratio"] for p in pairs]
+        summary["paired_engine_over_static"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                                "max": max(ratios), "engine": pairs[0]["engine"]}
+        notes.append(f"{len(pairs)} interleaved pairs (static, engine {pairs[0]['engine']}): ratios "
+                     + ", ".join(f"{r:.2f}" for r in ratios) + f"; median {statistics.median(ratios):.2f}x")
     if "meshtron" in by_name and "naive" in by_name:
         summary["engine_over_naive"] = by_name["meshtron"]["output_tokens_per_s"] / by_name["naive"]["output_tokens_per_s"]
         notes.append(f"engine / naive throughput: {summary['engine_over_naive']:.2f}x")
@@ -424,8 +464,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     notes: list[str] = []
     tokens: dict[str, list[list[int]]] = {}
     walls: dict[str, list[float]] = {}
-    run_systems(model, prompts, outputs, args, results, notes, tokens, walls)
-    summary = summarize_ratios(results, notes, tokens, args)
+    pairs: list[dict[str, Any]] = []
+    run_systems(model, prompts, outputs, args, results, notes, tokens, walls, pairs)
+    summary = summarize_ratios(results, notes, tokens, args, pairs)
     decode = decode_batch1(model, args) if "decode" not in args.skip else []
     print_table(results, notes)
     if decode:
@@ -434,6 +475,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "machine": platform.platform(), "torch": torch.__version__,
                                "date": time.strftime("%Y-%m-%d", time.gmtime()), "results": results,
-                               "walls_s": walls, "summary": summary, "decode_batch1": decode}, indent=2) + "\n")
+                               "walls_s": walls, "pairs": pairs, "summary": summary, "decode_batch1": decode}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

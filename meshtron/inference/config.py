@@ -36,6 +36,11 @@ class EngineConfig:
                                                    "(inductor; on a CPU it needs a C++ compiler) that reads keys/"
                                                    "values through the block table instead of gathering them; "
                                                    "compiles on the first step (~15 s on a CPU). varlen layout only")
+    native_decode_attention: bool = option(False, "Decode attention as a small C kernel (CPU, float32), compiled "
+                                                  "on first use with the system C compiler ($CC or cc) and cached: "
+                                                  "reads each request's own keys/values through the block table, "
+                                                  "no padding, online softmax. varlen layout only; not with "
+                                                  "compile_decode_attention")
     layout: str = option("varlen", "Batch layout: varlen (one packed row; attention per decode bucket and per "
                                    "prefill chunk), auto (cheapest by estimate: packed or rows of S tokens), "
                                    "packed (one row, one attention) or padded (one row per request)")
@@ -57,6 +62,10 @@ class EngineConfig:
         need(self.layout in self.LAYOUTS, "layout", self.layout, f"choose one of {self.LAYOUTS}")
         need(not self.compile_decode_attention or self.layout == "varlen", "compile_decode_attention", True,
              f"it applies to the varlen layout only (layout is {self.layout!r}); set layout varlen")
+        need(not self.native_decode_attention or self.layout == "varlen", "native_decode_attention", True,
+             f"it applies to the varlen layout only (layout is {self.layout!r}); set layout varlen")
+        need(not (self.native_decode_attention and self.compile_decode_attention), "native_decode_attention", True,
+             "choose one decode attention: set compile_decode_attention or native_decode_attention false")
         for name in GRAPH_BUCKET_FIELDS:
             need(all(b >= 1 for b in getattr(self, name)), name, getattr(self, name), "every bucket must be >= 1")
 

@@ -47,3 +47,10 @@ def compiled_paged_decode_attention() -> Callable[..., torch.Tensor]:
     if _compiled is None:
         _compiled = torch.compile(paged_decode_attention, dynamic=True, fullgraph=True)
     return _compiled
+
+
+def compiled_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group,
+                              window_size: Optional[int], scale: float) -> torch.Tensor:
+    """A decode bucket (`varlen_context.AttentionGroup`) through the compiled function."""
+    bias = group.bias(k_cache.shape[1], window_size, q.dtype)
+    return compiled_paged_decode_attention()(q, k_cache, v_cache, group.key_blocks, bias, scale)

@@ -96,9 +96,14 @@ class ModelRunner:
         self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
         self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled
         if cfg.compile_decode_attention:
-            from meshtron.inference.fused_attention import compiled_paged_decode_attention
+            from meshtron.inference.fused_attention import compiled_decode_attention
 
-            self.decode_attention = compiled_paged_decode_attention()
+            self.decode_attention = compiled_decode_attention
+        if cfg.native_decode_attention:
+            from meshtron.inference.native_attention import check_native_decode_attention, native_decode_attention
+
+            check_native_decode_attention(model, device)
+            self.decode_attention = native_decode_attention
         self.graphs = None
         if cfg.cuda_graphs:
             from meshtron.inference.cuda_graphs import CudaGraphRunner

@@ -8,10 +8,11 @@ and attention is split by the context's own `attend` (see `nn.attention_core.att
   within a factor `BUCKET_RATIO` of each other; each bucket gathers its key/value blocks, padded only
   to the bucket's longest context, and runs one batched attention with queries of length 1;
 - each prefill chunk attends alone to its own blocks (causal from its start position).
-With `decode_attention` (engine.compile_decode_attention) the decodes form one bucket, which calls
-that function on the cache tensors and block table instead of gathering (see `fused_attention`):
-its padded key blocks all read the one scratch block, which stays in the CPU cache, and one call per
-layer costs less than several (measured ~10% faster end to end than buckets at BUCKET_RATIO).
+With `decode_attention` (engine.compile_decode_attention or engine.native_decode_attention) the
+decodes form one bucket, which calls that function on the cache tensors and block table instead of
+gathering (see `fused_attention`, `native_attention`): the compiled kernel's padded key blocks all
+read the one scratch block, which stays in the CPU cache, the native kernel skips them, and one call
+per layer costs less than several (measured ~10% faster end to end than buckets at BUCKET_RATIO).
 `update_kv` writes the new keys/values into their slots and hands back the layer's cache tensors,
 which `attend` reads through the groups' block tables. Groups, block indices and masks are built
 once per step and shared by every layer; masks are cached per window size. Mamba layers get their
@@ -62,6 +63,11 @@ class AttentionGroup:
                 ~allowed, float("-inf"))
         return self._biases[key]
 
+    def key_range(self, window_size: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decodes: (rows,) first and last key position each row attends (its window, or from 0)."""
+        hi = self.query_positions[:, -1]
+        return (hi - window_size + 1).clamp_(min=0) if window_size is not None else torch.zeros_like(hi), hi
+
     def mask(self, block_size: int, window_size: Optional[int]) -> torch.Tensor:
         """Boolean (rows, 1, q, keys): causal (so never past the sequence's end) and within the window.
         Padded key blocks lie past every query position, so they are masked too."""
@@ -84,7 +90,8 @@ class VarlenPagedContext:
     cache: PagedKVCache
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mamba: Optional[MambaStepGroups] = None
-    # (q, k_cache, v_cache, key_blocks, bias, scale) -> out, for decode buckets (fused_attention); None: gather
+    # (q, k_cache, v_cache, group, window_size, scale) -> out for decode buckets (fused_attention,
+    # native_attention); None: gather + SDPA
     decode_attention: Optional[Callable[..., torch.Tensor]] = None
 
     def mamba_states(self, layer_id: int) -> Optional[list[RecurrentState]]:
@@ -112,8 +119,7 @@ class VarlenPagedContext:
             else:  # decodes: one query per row
                 q_g = q[0].index_select(1, g.query_index).transpose(0, 1)[:, :, None]  # (rows, heads, 1, dk)
                 if self.decode_attention is not None and sink_logits is None:
-                    o = self.decode_attention(q_g, k_cache, v_cache, g.key_blocks, g.bias(bs, window_size, q.dtype),
-                                              scale)
+                    o = self.decode_attention(q_g, k_cache, v_cache, g, window_size, scale)
                     out[0].index_copy_(1, g.query_index, o[:, :, 0].transpose(0, 1))
                     continue
             flat = g.key_blocks.reshape(-1)

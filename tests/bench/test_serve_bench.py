@@ -13,7 +13,7 @@ from meshtron.bench.serve import build_workload, main
 
 TINY = ["--num-requests", "6", "--prompt-len", "4", "12", "--output-len", "2", "6", "--batch-size", "4",
         "--engine-max-num-seqs", "8", "--hidden-size", "32", "--layers", "2", "--heads", "4", "--ffn", "64",
-        "--max-len", "32", "--device", "cpu", "--compile-decode-attention", "off"]
+        "--max-len", "32", "--device", "cpu", "--decode-attention", "gather"]
 
 
 def run(tmp_path, *extra: str) -> dict:
@@ -45,18 +45,33 @@ def test_serve_benchmark_json_fields(tmp_path, capsys):
     assert "tok/s n/a" in printed and "engine / naive throughput" in printed
 
 
+def test_native_decode_attention_rows(tmp_path, capsys):
+    data = run(tmp_path, "--skip", "static", "naive", "decode", "--decode-attention", "gather", "native")
+    assert [r["system"] for r in data["results"]] == ["meshtron engine s=4", "meshtron engine s=8",
+                                                      "meshtron engine s=4 native", "meshtron engine s=8 native"]
+    assert "greedy tokens differ" not in capsys.readouterr().out
+
+
 def test_serve_benchmark_refuses_bad_flags(tmp_path):
     with pytest.raises(SystemExit, match="--max-len"):
         main([*TINY, "--max-len", "16", "--output", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="--repeats"):
         main([*TINY, "--repeats", "0", "--output", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="--pairs"):
+        main([*TINY, "--pairs", "-1", "--output", str(tmp_path / "x.json")])
 
 
 @pytest.mark.slow  # saves a checkpoint, converts it and loads it into transformers
 def test_serve_benchmark_static_batches_agree(tmp_path):
     pytest.importorskip("transformers")
-    data = run(tmp_path, "--skip", "naive", "decode")
+    data = run(tmp_path, "--skip", "naive", "decode", "--pairs", "2")
     assert [r["system"] for r in data["results"]][-1] == "transformers static b=4"
     assert data["summary"]["greedy_agreement_engine_static"] == 1.0
+    assert [p["engine"] for p in data["pairs"]] == ["s=8", "s=8"]  # the largest concurrency, the gather path
+    for p in data["pairs"]:
+        assert p["ratio"] == pytest.approx(p["static_wall_s"] / p["engine_wall_s"])
+    paired = data["summary"]["paired_engine_over_static"]
+    assert paired["median"] == pytest.approx(sum(p["ratio"] for p in data["pairs"]) / 2)
+    assert paired["min"] <= paired["median"] <= paired["max"]
     assert data["decode_batch1"] == []
     assert data["summary"]["engine_over_static"] > 0 and data["summary"]["engine_over_static_cpu"] > 0

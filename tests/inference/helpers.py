@@ -19,6 +19,7 @@ MODELS = {
     "gqa-rope": dict(num_attention_heads=4, num_query_groups=2, position_embedding_type="rope"),
     "window-sinks-learned-pos": dict(num_attention_heads=2, position_embedding_type="learned_absolute",
                                      window_size=5, softmax_type="learnable"),
+    "window-rope": dict(num_attention_heads=4, num_query_groups=2, position_embedding_type="rope", window_size=5),
     "mla": dict(num_attention_heads=2, position_embedding_type="rope", multi_latent_attention=True,
                 kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8),
     "moe": dict(num_attention_heads=4, num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=16,
