@@ -125,7 +125,9 @@ def warm_up(model: GPTModel, prompts, args, attention: str) -> float:
     then several); -> seconds."""
     from meshtron.inference.request import SamplingParams
 
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # 24 tokens (two blocks of 16) where the context length allows
+    params = SamplingParams(max_tokens=max(1, min(24, args.max_len - max(len(p) for p in prompts[:8]))),
+                            temperature=0, ignore_eos=True)
     start = time.perf_counter()
     engine = build_engine(model, args, 8, attention=attention)
     engine.generate([[1, 2, 3]], params)
