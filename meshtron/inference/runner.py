@@ -94,7 +94,7 @@ class ModelRunner:
         self.params: dict[str, SamplingParams] = {}
         self.cost_weights = cost_weights(model)
         self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
-        self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled
+        self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled or native
         if cfg.compile_decode_attention:
             from meshtron.inference.fused_attention import compiled_decode_attention
 
