@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshtron.compat import grouped_mm, grouped_mm_supported
 from meshtron.nn.mlp import ACTIVATIONS, gated
@@ -82,7 +81,7 @@ class GroupedExperts(nn.Module):
 def _local(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """This rank's experts: expert parallelism (meshtron/parallel/expert_parallel.py) makes the stacked
     weights DTensors sharded along dim 0; the tokens that reach this rank are for its slice only."""
-    return w.to_local() if isinstance(w, DTensor) else w
+    return w.to_local() if hasattr(w, "to_local") else w  # a DTensor shard; nn/ imports no distributed types
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], offs: torch.Tensor,
