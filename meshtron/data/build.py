@@ -24,7 +24,17 @@ from meshtron.data.tokenizer import Tokenizer
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def open_indexed(prefix: str, tokenizer: Tokenizer) -> IndexedDataset:
+def token_id_limit(cfg: RunConfig, tokenizer: Tokenizer) -> tuple[int, str]:
+    """How many ids the model's embedding takes, and the setting that decides it. A model.vocab_size
+    below the tokenizer's shrinks it (a HF init refuses a tokenizer larger than the model)."""
+    declared = cfg.model.vocab_size
+    if declared and not cfg.train.init_from_hf and declared < tokenizer.vocab_size:
+        return declared, "model.vocab_size"
+    return tokenizer.vocab_size, "the tokenizer's vocab_size"
+
+
+def open_indexed(prefix: str, tokenizer: Tokenizer, limit: tuple[int, str] | None = None) -> IndexedDataset:
+    """Open one prefix for training: it must match the tokenizer, and its ids must fit `limit`."""
     try:
         ds = IndexedDataset(prefix)
     except IndexedDatasetError as e:
@@ -32,6 +42,19 @@ def open_indexed(prefix: str, tokenizer: Tokenizer) -> IndexedDataset:
     if ds.vocab_size != tokenizer.vocab_size:
         raise ConfigError(f"data.paths: {prefix} was preprocessed with a tokenizer of vocab_size {ds.vocab_size}, "
                           f"but the tokenizer section gives {tokenizer.vocab_size}; preprocess again or fix tokenizer")
+    num_ids, source = limit or (tokenizer.vocab_size, "the tokenizer's vocab_size")
+    if ds.max_token_id is not None and ds.max_token_id >= num_ids:
+        raise ConfigError(f"data.paths: {prefix} holds token ids up to {ds.max_token_id} but {source} is {num_ids}; "
+                          f"make it at least {ds.max_token_id + 1} (model.vocab_size: null takes the tokenizer's), "
+                          "or preprocess with the model's tokenizer")
+    if ds.max_token_id is None and ds.vocab_size > num_ids:
+        # Written before the maximum was recorded: the writer only bounds ids by vocab_size, which is
+        # too large here. A full scan could take minutes on every rank, so warn; reads refuse bad ids.
+        warnings.warn(f"data.paths: {prefix} has no recorded maximum token id and its vocab_size {ds.vocab_size} "
+                      f"exceeds {source} {num_ids}; an id >= {num_ids} stops training when read. Check it with "
+                      f"`meshtron data info {prefix} --verify --vocab-size {num_ids}`; `meshtron data merge --input "
+                      f"{prefix} --output-prefix NEW` writes a copy that records it", stacklevel=2)
+    ds.id_limit = num_ids
     return ds
 
 
@@ -102,7 +125,8 @@ def build_datasets(cfg: RunConfig, tokenizer: Tokenizer):
     if not data.paths:
         return build_stream_datasets(data, tokenizer)
     weights, prefixes = data.blend()
-    indexed = [open_indexed(p, tokenizer) for p in prefixes]
+    limit = token_id_limit(cfg, tokenizer)
+    indexed = [open_indexed(p, tokenizer, limit) for p in prefixes]
     spec = fim_spec(data, tokenizer) if data.fim_rate > 0 else None
     # Training asks for every sample it will consume (more epochs if needed); valid/test take one epoch.
     num_train = cfg.train.train_iters * cfg.train.global_batch_size

@@ -91,18 +91,42 @@ def cmd_data_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info_vocab_size(args: argparse.Namespace) -> int | None:
+    """The vocabulary `data info` checks ids against: --vocab-size, or the size of --tokenizer."""
+    if args.vocab_size is not None and args.tokenizer:
+        raise ValueError("--vocab-size: give either --vocab-size or --tokenizer, not both")
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise ValueError(f"--vocab-size: {args.vocab_size} is not allowed; must be >= 1")
+        return args.vocab_size
+    if args.tokenizer:
+        from meshtron.data.tokenizer import build_tokenizer, tokenizer_config_for
+
+        return build_tokenizer(tokenizer_config_for(args.tokenizer, args.tokenizer_type)).vocab_size
+    return None
+
+
 @_user_errors
 def cmd_data_info(args: argparse.Namespace) -> int:
-    from meshtron.data.indexed import IndexedDataset
+    from meshtron.data.indexed import IndexedDataset, IndexedDatasetError
 
+    vocab_size = _info_vocab_size(args)
     for prefix in args.prefix:
         ds = IndexedDataset(prefix)
-        if args.verify:
-            ds.verify()
+        max_id = ds.max_token_id
+        # Without a recorded maximum, a question about the vocabulary needs the scan --verify does.
+        scanned = args.verify or (vocab_size is not None and max_id is None)
+        if scanned:
+            max_id = ds.verify(vocab_size)
+        elif vocab_size is not None and max_id is not None and max_id >= vocab_size:
+            raise IndexedDatasetError(f"{prefix}: maximum token id {max_id} >= vocab size {vocab_size}; preprocess "
+                                      f"with the model's tokenizer, or give the model a vocabulary of at least {max_id + 1}")
         sizes = ds.sizes
         longest = int(sizes.max()) if len(sizes) else 0
+        max_text = max_id if max_id is not None else "none (no tokens)" if ds.num_tokens == 0 else "not recorded"
+        checks = (", checksum ok" if scanned else "") + (f", all ids < {vocab_size}" if vocab_size is not None else "")
         print(f"{prefix}: {ds.num_docs} documents, {ds.num_tokens} tokens, dtype {ds.dtype}, "
-              f"vocab_size {ds.vocab_size}, longest document {longest}" + (", checksum ok" if args.verify else ""))
+              f"vocab_size {ds.vocab_size}, longest document {longest}, max token id {max_text}" + checks)
     return 0
 
 
@@ -160,7 +184,13 @@ def register(subparsers) -> None:
     merge.set_defaults(func=cmd_data_merge)
     info = data_sub.add_parser("info", help="print the size of indexed datasets (and check them)")
     info.add_argument("prefix", nargs="+", help="dataset prefixes")
-    info.add_argument("--verify", action="store_true", help="recompute the checksum of the tokens")
+    info.add_argument("--verify", action="store_true",
+                      help="scan every token: checksum, maximum id, ids outside the vocabulary")
+    info.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                      help="refuse ids >= N (checked on the recorded maximum; scanned when none is recorded)")
+    info.add_argument("--tokenizer", metavar="SPEC", help="like --vocab-size, with this tokenizer's vocabulary size")
+    info.add_argument("--tokenizer-type", choices=("byte", "hf", "sentencepiece", "tiktoken"),
+                      help="tokenizer kind when it cannot be told from --tokenizer")
     info.set_defaults(func=cmd_data_info)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,8 +104,39 @@ def _lines_in_range(path: str, start: int, end: int) -> Iterator[tuple[int, byte
             yield offset, line
 
 
+def line_number(path: str, offset: int) -> int:
+    """1-based number of the line starting at byte `offset`: newlines before it are counted only when an
+    error is reported, so a worker that starts mid-file (its shard) still names the right line."""
+    count, remaining = 0, offset
+    with open(path, "rb") as f:
+        while remaining > 0 and (chunk := f.read(min(remaining, 16 << 20))):
+            count, remaining = count + chunk.count(b"\n"), remaining - len(chunk)
+    return count + 1
+
+
+_JSON_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+               dict: "an object"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text_of(record, json_key: str, path: str, offset: int) -> str:
+    """The string at json_key; anything else (null, number, list, object, a lone surrogate) is refused."""
+    if not isinstance(record, dict) or json_key not in record:
+        raise ValueError(f"--json-key: {path} line {line_number(path, offset)} has no key {json_key!r}; "
+                         "name the field that holds the text with --json-key")
+    text = record[json_key]
+    if not isinstance(text, str):
+        raise ValueError(f"--input: {path} line {line_number(path, offset)}: {json_key!r} is "
+                         f"{_JSON_KINDS.get(type(text), type(text).__name__)}, not a string; fix or drop that line")
+    # A JSON escape such as "\ud800" outside a surrogate pair decodes to a code point that is not text.
+    if (bad := _SURROGATE.search(text)) is not None:
+        raise ValueError(f"--input: {path} line {line_number(path, offset)}: {json_key!r} holds a lone surrogate "
+                         f"U+{ord(bad.group()):04X} at character {bad.start()}, which is not text; fix or drop that line")
+    return text
+
+
 def iter_shard_documents(shard: Shard, json_key: str = "text") -> Iterator[str]:
-    """The documents of one shard, in order; a malformed jsonl line is a ValueError naming file and byte."""
+    """The documents of one shard, in order; a malformed jsonl line is a ValueError naming file and line."""
     if shard.kind == "files":
         for path in shard.paths:
             yield Path(path).read_bytes().decode("utf-8", errors="replace")
@@ -119,11 +151,8 @@ def iter_shard_documents(shard: Shard, json_key: str = "text") -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--input: {path} at byte {offset} is not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or json_key not in record:
-            raise ValueError(f"--json-key: {path} at byte {offset} has no key {json_key!r}; "
-                             "name the field that holds the text with --json-key")
-        yield str(record[json_key])
+            raise ValueError(f"--input: {path} line {line_number(path, offset)} is not valid JSON ({e.msg})") from None
+        yield _text_of(record, json_key, path, offset)
 
 
 def iter_documents(inputs: list[str], *, json_key: str = "text", text_unit: str = "file") -> Iterator[str]:
