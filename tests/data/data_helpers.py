@@ -42,3 +42,29 @@ def write_indexed(prefix, docs: list[list[int]], vocab_size: int = 1000) -> Inde
 def random_docs(rng: np.random.Generator, num_docs: int, max_len: int, vocab_size: int = 1000,
                 min_len: int = 0) -> list[list[int]]:
     return [rng.integers(0, vocab_size, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(num_docs)]
+
+
+def rewrite_idx(prefix, *, sizes=None, offsets=None, max_id_field=None) -> None:
+    """Overwrite parts of PREFIX.idx in place (what a corrupt or older file looks like)."""
+    from meshtron.data.indexed import IDX_HEADER
+
+    path = f"{prefix}.idx"
+    raw = bytearray(open(path, "rb").read())
+    num_docs = IDX_HEADER.unpack(bytes(raw[:IDX_HEADER.size]))[4]
+    at = IDX_HEADER.size
+    if offsets is not None:
+        raw[at:at + 8 * (num_docs + 1)] = np.asarray(offsets, dtype=np.int64).tobytes()
+    if sizes is not None:
+        raw[at + 8 * (num_docs + 1):] = np.asarray(sizes, dtype=np.int32).tobytes()
+    if max_id_field is not None:   # the header's last u32: max id + 1, 0 in files written before it was recorded
+        raw[IDX_HEADER.size - 4:IDX_HEADER.size] = np.uint32(max_id_field).tobytes()
+    open(path, "wb").write(bytes(raw))
+
+
+def set_token(prefix, position: int, value: int, dtype=np.uint16) -> None:
+    """Overwrite token `position` of PREFIX.bin (a same-size corruption the header cannot see)."""
+    from meshtron.data.indexed import BIN_HEADER
+
+    with open(f"{prefix}.bin", "r+b") as f:
+        f.seek(BIN_HEADER.size + position * np.dtype(dtype).itemsize)
+        f.write(np.asarray([value], dtype=dtype).tobytes())

@@ -4,10 +4,11 @@ switched on from the config, clear errors, and a short training run on a BPE-pre
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
-from data_helpers import random_docs, write_indexed
+from data_helpers import random_docs, rewrite_idx, set_token, write_indexed
 
 from meshtron.config import ConfigError
 from meshtron.config.schema import DataConfig
@@ -15,6 +16,7 @@ from meshtron.data.blended import BlendedDataset
 from meshtron.data.build import build_datasets
 from meshtron.data.fim import GPTFIMDataset
 from meshtron.data.gpt_dataset import GPTDataset
+from meshtron.data.indexed import IndexedDataset, IndexedDatasetError
 from meshtron.data.packing import PackedDataset
 from meshtron.data.preprocess import PreprocessOptions, preprocess
 from meshtron.data.tokenizer import ByteTokenizer, build_tokenizer, tokenizer_config_for
@@ -112,3 +114,58 @@ def test_training_on_a_bpe_blend(tiny_config, tmp_path, jsonl_file, bpe_dir):
     assert len(history) == 3 and all(math.isfinite(r.loss) for r in history)
     tok = build_tokenizer(cfg.tokenizer)
     assert history[0].loss == pytest.approx(math.log(tok.vocab_size), rel=0.15)   # untrained: near uniform
+
+
+def _byte_data(path, ids_from: int, ids_to: int, num_docs: int = 40, eod: bool = True):
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(ids_from, ids_to, size=50).tolist() + [BYTE.eod_id] * eod for _ in range(num_docs)]
+    return str(write_indexed(path, docs, vocab_size=BYTE.vocab_size).prefix)
+
+
+def test_ids_beyond_the_model_vocabulary_are_refused_before_training(tiny_config, tmp_path):
+    """Issue 16: ids >= model.vocab_size used to reach the embedding (IndexError on CPU, a device
+    assert on a GPU); the recorded maximum id is now checked when the datasets are built."""
+    from meshtron.training import Trainer
+
+    prefix = _byte_data(tmp_path / "hi", 200, 256)   # ids up to 255 plus eod 256: max 256
+    run = {"data.paths": f"[{prefix}]", "data.split": "1,0,0", "train.train_iters": "1",
+           "checkpoint.save_at_end": "false", "model.make_vocab_size_divisible_by": "1"}
+    with pytest.raises(ConfigError, match=rf"data.paths: {prefix} holds token ids up to 256 but model.vocab_size "
+                                          r"is 200; make it at least 257"):
+        Trainer(tiny_config(**run, **{"model.vocab_size": "200"}))
+    assert len(Trainer(tiny_config(**run, **{"model.vocab_size": "257"})).train()) == 1
+    # The maximum decides, not the tokenizer's size: ids below 100 train on a 200-id model.
+    low = _byte_data(tmp_path / "lo", 0, 100, eod=False)
+    assert IndexedDataset(low).max_token_id == 99
+    run["data.paths"] = f"[{low}]"
+    assert len(Trainer(tiny_config(**run, **{"model.vocab_size": "200"})).train()) == 1
+
+
+def test_corrupted_ids_stop_training_before_the_embedding(tiny_config, tmp_path):
+    """A same-size corruption of the .bin is not in the recorded maximum: reads refuse the id."""
+    from meshtron.training import Trainer
+
+    prefix = _byte_data(tmp_path / "a", 0, 256)
+    for doc in range(40):
+        set_token(prefix, doc * 51 + 10, 60000)
+    trainer = Trainer(tiny_config(**{"data.paths": f"[{prefix}]", "data.split": "1,0,0", "train.train_iters": "1",
+                                     "checkpoint.save_at_end": "false"}))
+    with pytest.raises(IndexedDatasetError, match=r"a\.bin: document \d+ holds token id 60000, outside the "
+                                                  r"vocabulary of 262"):
+        trainer.train()
+
+
+def test_old_dataset_without_recorded_maximum(tiny_config, tmp_path):
+    """No recorded maximum: trains silently when its vocab_size fits the model; warns when the model is
+    smaller, and then a read of an id the model lacks is refused."""
+    prefix = _byte_data(tmp_path / "a", 100, 256)
+    rewrite_idx(prefix, max_id_field=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train, _, _ = build_datasets(tiny_config(**{"data.paths": f"[{prefix}]", "data.split": "1,0,0"}), BYTE)
+    assert train[0]["input_ids"].max() < BYTE.vocab_size
+    cfg = tiny_config(**{"data.paths": f"[{prefix}]", "data.split": "1,0,0", "model.vocab_size": "100"})
+    with pytest.warns(UserWarning, match=rf"{prefix} has no recorded maximum token id .* exceeds model.vocab_size 100"):
+        train, _, _ = build_datasets(cfg, BYTE)
+    with pytest.raises(IndexedDatasetError, match="outside the vocabulary of 100"):
+        train[0]

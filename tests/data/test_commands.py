@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from data_helpers import rewrite_idx, write_indexed
 
 from meshtron.data.commands import main
 from meshtron.data.corpus import STDLIB_LICENSE, stdlib_files, stdlib_root
@@ -78,3 +79,30 @@ def test_module_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshtron.data.commands", "data", "info", str(tmp_path / "none")],
                          capture_output=True, text=True, cwd=repo)
     assert out.returncode == 2 and out.stderr.startswith("error:")
+
+
+def test_data_info_verify_reports_max_id_and_out_of_vocabulary_ids(tmp_path, capsys):
+    """Issue 16: --verify scans every token (maximum id, ids >= --vocab-size / --tokenizer's vocab),
+    and a .idx whose sizes disagree with its offsets is no longer reported as ok."""
+    docs = [[1, 2, 3], [200, 261, 5], [7]]
+    prefix = str(write_indexed(tmp_path / "a", docs, vocab_size=262).prefix)
+    assert main(["data", "info", prefix]) == 0
+    assert "max token id 261" in capsys.readouterr().out
+    assert main(["data", "info", prefix, "--verify", "--tokenizer", "byte"]) == 0   # the byte tokenizer: 262 ids
+    assert "checksum ok, all ids < 262" in capsys.readouterr().out
+    for argv in (["--verify", "--vocab-size", "201"], ["--vocab-size", "201"]):  # scanned, or the recorded max
+        assert main(["data", "info", prefix, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and err.count("\n") == 1 and prefix in err and "201" in err and "261" in err
+    assert main(["data", "info", prefix, "--verify", "--vocab-size", "200"]) == 2
+    assert "2 token ids >= vocab size 200 (maximum id 261, first in document 1)" in capsys.readouterr().err
+    rewrite_idx(prefix, max_id_field=0)   # written before the maximum was recorded: a vocabulary check scans
+    assert main(["data", "info", prefix]) == 0 and "max token id not recorded" in capsys.readouterr().out
+    assert main(["data", "info", prefix, "--vocab-size", "201"]) == 2
+    assert "first in document 1" in capsys.readouterr().err
+    assert main(["data", "info", prefix, "--vocab-size", "262"]) == 0
+    assert "max token id 261, checksum ok" in capsys.readouterr().out
+    rewrite_idx(prefix, sizes=[2, 4, 1])  # same total, so only the offsets tell
+    assert main(["data", "info", prefix, "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "a.idx: document 0 has size 2 but offsets 0..3" in err and err.count("\n") == 1
