@@ -1,53 +1,48 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `LLMEngine`.
 
-Endpoints: /v1/completions and /v1/chat/completions (streaming as server-sent events), /v1/models,
-/health and /v1/health (200 when ready; 503 while loading, draining or failed) and /v1/engine/stats
-(meshtron's own: queue lengths and free KV blocks). Every response carries a request id (the
-client's X-Request-Id header when given). Bad parameters are answered 400 with a message naming the
-parameter. A client that disconnects aborts its requests, which frees their KV blocks at once.
-SIGTERM starts a drain: /health and new requests answer 503 ("draining") while in-flight requests
-run on for up to the drain timeout; what is left then is aborted, and its clients get an error
-saying so (an SSE `error` event, or a 503 body); then the server closes its sockets and stops.
+Endpoints: /v1/completions and /v1/chat/completions (server_completions.py; streaming as server-sent
+events), /v1/models, /health and /v1/health (200 when ready; 503 while loading, draining or failed),
+/v1/engine/stats (queue lengths and free KV blocks) and /metrics (Prometheus). Requests are bounded
+by `ServerConfig` (server_limits.py), errors answered in OpenAI's shape (server_errors.py), and with
+an API key every route but the health checks needs it (server_auth.py). SIGTERM starts a drain:
+/health and new requests answer 503 ("draining") while in-flight requests run on for up to the drain
+timeout; what is left then is aborted with an error saying so. If the engine stops for good
+(`engine.fatal_error`), /health answers 503 with the reason and the process exits non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import copy
+import functools
+import logging
 import signal
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 
-from meshtron.inference.chat_template import render_chat
 from meshtron.inference.engine import LLMEngine
-from meshtron.inference.outputs import RequestOutput
-from meshtron.inference.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_log_probs,
-    completion_log_probs,
-    envelope,
-    error_body,
-    finish_reason,
-    usage,
-)
-from meshtron.inference.request import InvalidRequestError
-from meshtron.inference.request import Request as EngineRequest
+from meshtron.inference.metrics import CONTENT_TYPE, ServerMetrics
+from meshtron.inference.protocol import ApiError
+from meshtron.inference.server_auth import BearerAuth
+from meshtron.inference.server_completions import install_completion_routes
+from meshtron.inference.server_errors import EchoRequestId, install_error_handlers, unauthorized
+from meshtron.inference.server_limits import ServerConfig
 
-DISCONNECT_POLL_S = 0.25
 DRAIN_POLL_S = 0.05
+# How often the lifespan task looks at `engine.fatal_error`.
+WATCH_POLL_S = 0.1
 # After the drain, the time uvicorn gives open connections to write their last bytes.
 FLUSH_TIMEOUT_S = 10.0
+logger = logging.getLogger("meshtron.server")
 
 
 @dataclass
@@ -55,26 +50,43 @@ class ServerState:
     status: str = "loading"  # loading -> ready -> draining; or failed
     engine: Optional[LLMEngine] = None
     error: Optional[str] = None
+    config: ServerConfig = field(default_factory=ServerConfig)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    executor: Optional[ThreadPoolExecutor] = None  # parsing and tokenizing, off the event loop
+    on_fatal: Optional[Callable[[], None]] = None  # asks uvicorn to exit (set by build_server)
+
+    def ready(self) -> LLMEngine:
+        if self.status != "ready" or self.engine is None:
+            raise ApiError(503, f"the server is {self.status}" + (f": {self.error}" if self.error else ""),
+                           kind="service_unavailable")
+        return self.engine
+
+    async def offload(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
 
-class Unavailable(Exception):
-    pass
+def fatal_error(engine: Optional[LLMEngine]) -> Optional[str]:
+    return getattr(engine, "fatal_error", None) if engine is not None else None
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """Always closes the body iterator, so a stream cut by the client aborts its requests now
-    rather than whenever the generator is garbage-collected."""
+async def watch_engine(state: ServerState) -> None:
+    """Turn the server unhealthy, and ask it to exit, once the engine cannot go on."""
+    while True:
+        await asyncio.sleep(WATCH_POLL_S)
+        reason = fatal_error(state.engine)
+        if reason:
+            state.status, state.error = "failed", f"the engine stopped: {reason}"
+            logger.error("%s; the server exits", state.error)
+            if state.on_fatal is not None:
+                state.on_fatal()
+            return
 
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
-
-def build_app(engine_factory: Callable[[], LLMEngine]) -> FastAPI:
+def build_app(engine_factory: Callable[[], LLMEngine], config: Optional[ServerConfig] = None,
+              api_key: Optional[str] = None) -> FastAPI:
     """The app; `engine_factory` runs in a thread at start-up so /health answers 503 meanwhile."""
-    state = ServerState()
+    state = ServerState(config=config or ServerConfig())
+    state.config.validate()
 
     def load() -> None:
         try:
@@ -86,34 +98,27 @@ def build_app(engine_factory: Callable[[], LLMEngine]) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.executor = ThreadPoolExecutor(state.config.tokenizer_threads, thread_name_prefix="meshtron-tokenize")
         threading.Thread(target=load, name="meshtron-load", daemon=True).start()
-        yield
-        state.status = "draining"
-        if state.engine is not None:
-            await asyncio.to_thread(state.engine.shutdown)
+        watcher = asyncio.create_task(watch_engine(state))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            if state.status != "failed":
+                state.status = "draining"
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown)
+            state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="meshtron", lifespan=lifespan)
     app.state.server = state
-    _install_error_handlers(app)
+    install_error_handlers(app, state.metrics)
     _install_info_routes(app, state)
-    _install_completion_routes(app, state)
+    install_completion_routes(app, state)
+    app.add_middleware(BearerAuth, api_key=api_key, refuse=lambda message: unauthorized(state.metrics, message))
+    app.add_middleware(EchoRequestId)  # outermost of ours: a 401 also carries the client's id
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return JSONResponse(error_body(f"{param}: {first.get('msg')}" if param else first.get("msg"), param), 400)
-
-    @app.exception_handler(InvalidRequestError)
-    async def bad_params(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.param), 400)
-
-    @app.exception_handler(Unavailable)
-    async def unavailable(request: Request, exc: Unavailable) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), kind="service_unavailable"), 503)
 
 
 def _install_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -128,200 +133,18 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        engine = _ready(state)
+        engine = state.ready()
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
                                             "owned_by": "meshtron", "max_model_len": engine.config.max_model_len}]}
 
     @app.get("/v1/engine/stats")
     async def stats() -> dict[str, Any]:
-        return _ready(state).stats()
+        return state.ready().stats()
 
-
-def _ready(state: ServerState) -> LLMEngine:
-    if state.status != "ready" or state.engine is None:
-        raise Unavailable(f"the server is {state.status}" + (f": {state.error}" if state.error else ""))
-    return state.engine
-
-
-def _response_id(request: Request, prefix: str) -> str:
-    return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def _install_completion_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        engine = _ready(state)
-        response_id = _response_id(request, "cmpl")
-        body.unsupported(response_id)
-        prompts = body.prompts()
-        if not prompts:
-            raise InvalidRequestError(response_id, "prompt", "no prompt given")
-        requests, echoes = [], []
-        for prompt in prompts:
-            token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            for j in range(body.n):
-                params = body.sampling_params(body.max_tokens, 16, j, body.logprobs is not None, body.logprobs or 0)
-                requests.append(engine.make_request(token_ids, params, f"{response_id}-{len(requests)}"))
-                echoes.append((prompt if isinstance(prompt, str) else engine.tokenizer.decode(token_ids))
-                              if body.echo else "")
-        run = _Run(engine, requests, request)
-        if body.stream:
-            return _sse(_completion_chunks(run, body, response_id, echoes), response_id)
-        outputs = await run.collect()
-        if (failed := _failed(outputs, response_id)) is not None:
-            return failed
-        choices = [{"index": i, "text": echoes[i] + o.text, "finish_reason": o.finish_reason,
-                    "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]),
-                                                     body.return_tokens_as_token_ids)}
-                   for i, o in enumerate(outputs)]
-        return _json(envelope("text_completion", response_id, engine.model_name, choices,
-                              {"usage": usage(outputs, body.n)}), response_id)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        engine = _ready(state)
-        response_id = _response_id(request, "chatcmpl")
-        body.unsupported(response_id)
-        if not body.messages:
-            raise InvalidRequestError(response_id, "messages", "no messages given")
-        try:
-            text, extra_stop = render_chat([m.model_dump() for m in body.messages],
-                                           getattr(engine.tokenizer, "chat_template", None), engine.tokenizer)
-        except Exception as e:  # a template that rejects the conversation
-            raise InvalidRequestError(response_id, "messages", f"the chat template failed: {e}") from None
-        token_ids = engine.tokenizer.encode(text)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        default_max = max(1, engine.config.max_model_len - len(token_ids))
-        requests = []
-        for j in range(body.n):
-            params = body.sampling_params(max_tokens, default_max, j, body.logprobs, body.top_logprobs or 0)
-            params.stop = params.stop + extra_stop
-            requests.append(engine.make_request(token_ids, params, f"{response_id}-{j}"))
-        run = _Run(engine, requests, request)
-        if body.stream:
-            return _sse(_chat_chunks(run, body, response_id), response_id)
-        outputs = await run.collect()
-        if (failed := _failed(outputs, response_id)) is not None:
-            return failed
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
-                    "logprobs": chat_log_probs(engine.tokenizer, o.log_probs) if body.logprobs else None}
-                   for i, o in enumerate(outputs)]
-        return _json(envelope("chat.completion", response_id, engine.model_name, choices,
-                              {"usage": usage(outputs, body.n)}), response_id)
-
-
-class _Run:
-    """Several engine requests of one HTTP request, merged into one stream of (choice index, output);
-    stops early and aborts everything when the client goes away."""
-
-    def __init__(self, engine: LLMEngine, requests: list[EngineRequest], http: Request):
-        self.engine, self.requests, self.http = engine, requests, http
-        self.final: list[Optional[RequestOutput]] = [None] * len(requests)
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, request: EngineRequest) -> None:
-            async for out in self.engine.stream_request(request):
-                await merged.put((index, out))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.requests)]
-        remaining, last_check = len(tasks), time.monotonic()
-        try:
-            while remaining:
-                try:
-                    index, out = await asyncio.wait_for(merged.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    index = out = None
-                if time.monotonic() - last_check >= DISCONNECT_POLL_S:
-                    last_check = time.monotonic()
-                    if await self.http.is_disconnected():
-                        return
-                if out is None:
-                    continue
-                if out.finished:
-                    remaining -= 1
-                    self.final[index] = out
-                yield index, out
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def collect(self) -> list[RequestOutput]:
-        async for _ in self.outputs():
-            pass
-        if any(o is None for o in self.final):  # the client left; nobody reads this answer
-            raise asyncio.CancelledError
-        return self.final
-
-
-def _failed(outputs: list[RequestOutput], response_id: str) -> Optional[JSONResponse]:
-    """An error response when a request ended with an error: 503 when it was aborted (a drain that
-    ran out of time), 500 when its forward failed."""
-    for out in outputs:
-        if out.error:
-            code = 503 if out.finish_reason == "abort" else 500
-            return JSONResponse(error_body(out.error, kind="server_error"), code, headers={"x-request-id": response_id})
-    return None
-
-
-def _json(body: dict, response_id: str) -> JSONResponse:
-    return JSONResponse(body, headers={"x-request-id": response_id})
-
-
-def _sse(chunks: AsyncIterator[dict], response_id: str) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await chunks.aclose()
-
-    return ClosingStreamingResponse(events(), media_type="text/event-stream",
-                                    headers={"x-request-id": response_id, "cache-control": "no-cache"})
-
-
-async def _completion_chunks(run: _Run, body: CompletionRequest, response_id: str,
-                             echoes: list[str]) -> AsyncIterator[dict]:
-    engine, started = run.engine, set()
-    outputs = run.outputs()
-    try:
-        async for index, out in outputs:
-            text = out.new_text if index in started else echoes[index] + out.new_text
-            started.add(index)
-            offset = len(out.text) - len(out.new_text) + len(echoes[index])
-            choice = {"index": index, "text": text, "finish_reason": finish_reason(out),
-                      "logprobs": completion_log_probs(engine.tokenizer, out.new_log_probs, offset,
-                                                       body.return_tokens_as_token_ids)}
-            yield envelope("text_completion", response_id, engine.model_name, [choice])
-            if out.finished and out.error:  # the openai client raises an APIError on this event
-                yield error_body(out.error, kind="server_error")
-    finally:
-        await outputs.aclose()
-    if body.include_usage():
-        yield envelope("text_completion", response_id, engine.model_name, [], {"usage": usage(run.final, body.n)})
-
-
-async def _chat_chunks(run: _Run, body: ChatCompletionRequest, response_id: str) -> AsyncIterator[dict]:
-    engine, started = run.engine, set()
-    outputs = run.outputs()
-    try:
-        async for index, out in outputs:
-            delta: dict[str, Any] = {"content": out.new_text}
-            if index not in started:
-                started.add(index)
-                delta["role"] = "assistant"
-            choice = {"index": index, "delta": delta, "finish_reason": finish_reason(out),
-                      "logprobs": chat_log_probs(engine.tokenizer, out.new_log_probs) if body.logprobs else None}
-            yield envelope("chat.completion.chunk", response_id, engine.model_name, [choice])
-            if out.finished and out.error:  # the openai client raises an APIError on this event
-                yield error_body(out.error, kind="server_error")
-    finally:
-        await outputs.aclose()
-    if body.include_usage():
-        yield envelope("chat.completion.chunk", response_id, engine.model_name, [], {"usage": usage(run.final, body.n)})
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = state.engine.stats() if state.engine is not None else None
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
 
 def drain_error(timeout_s: float) -> str:
@@ -331,12 +154,15 @@ def drain_error(timeout_s: float) -> str:
 
 async def drain(state: ServerState, timeout_s: float) -> int:
     """Answer 503 to /health and new requests, let in-flight requests finish for up to `timeout_s`,
-    then abort what is left with a clear error (which frees its blocks); -> how many were aborted."""
+    then abort what is left with a clear error (which frees its blocks); -> how many were aborted.
+    An engine that stopped for good gets no time: its requests are failed at once."""
     if state.status == "ready":
         state.status = "draining"
     engine = state.engine
     if engine is None:
         return 0
+    if state.status == "failed":
+        return await asyncio.to_thread(engine.abort_all, state.error or "the engine stopped")
     deadline = time.monotonic() + timeout_s
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
@@ -345,12 +171,21 @@ async def drain(state: ServerState, timeout_s: float) -> int:
     return await asyncio.to_thread(engine.abort_all, drain_error(timeout_s))
 
 
+def log_config(log_level: str) -> dict:
+    """uvicorn's logging, with the server's own logger ("meshtron") on uvicorn's handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["loggers"]["meshtron"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return cfg
+
+
 def build_server(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
-                 log_level: str = "info"):
+                 log_level: str = "info", config: Optional[ServerConfig] = None, api_key: Optional[str] = None):
     """The uvicorn server (with the drain) and the app's state; `serve` runs it."""
     import uvicorn
 
-    app = build_app(engine_factory)
+    app = build_app(engine_factory, config, api_key)
     state: ServerState = app.state.server
 
     class DrainingServer(uvicorn.Server):
@@ -377,13 +212,17 @@ def build_server(engine_factory: Callable[[], LLMEngine], host: str, port: int, 
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
-    return DrainingServer(config), state
+    config_ = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(log_level),
+                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    server = DrainingServer(config_)
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
+    return server, state
 
 
 def serve(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
-          log_level: str = "info") -> int:
-    """Run the server until SIGINT/SIGTERM; in-flight requests get `drain_timeout_s` to finish."""
-    server, state = build_server(engine_factory, host, port, drain_timeout_s, log_level)
+          log_level: str = "info", config: Optional[ServerConfig] = None, api_key: Optional[str] = None) -> int:
+    """Run the server until SIGINT/SIGTERM (-> 0), or until the engine stops for good (-> 1); in-flight
+    requests get `drain_timeout_s` to finish."""
+    server, state = build_server(engine_factory, host, port, drain_timeout_s, log_level, config, api_key)
     server.run()
     return 1 if state.status == "failed" else 0

@@ -1,5 +1,7 @@
-"""The FastAPI app in-process: /health through loading, ready and failed; every invalid parameter
-answered 400 with a message naming it."""
+"""The FastAPI app in-process: /health through loading, ready, failed and an engine that stopped for
+good; every invalid parameter answered 400 with a message naming it; every other client error (bad
+JSON, wrong types, non-finite numbers, lone surrogates, unknown models and URLs, non-text chat parts)
+in OpenAI's error shape, never a 500."""
 
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def test_bad_completion_parameters(ready_client, body, param):
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -2}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 40}, "top_log_probs"),
-    ({"messages": [{"content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
 ])
 def test_bad_chat_parameters(ready_client, body, param):
     r = ready_client.post("/v1/chat/completions", json=body)
@@ -119,3 +121,119 @@ def test_tokenizer_chat_template_is_rendered():
                 "{% if add_generation_prompt %}[assistant]{% endif %}")
     text, stops = render_chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], template, TOKENIZER)
     assert text == "[user]hi[assistant]" and stops == ()
+
+
+def test_engine_that_stops_for_good_turns_health_503_with_the_reason(model):
+    eng = engine(model, num_blocks=32, block_size=4)
+    with TestClient(build_app(lambda: eng)) as client:
+        wait_for(client, 200)
+        eng.fatal_error = "RuntimeError: the step failed"  # what the engine's loop sets when it cannot go on
+        r = wait_for(client, 503)
+        assert r.json() == {"status": "failed", "error": "the engine stopped: RuntimeError: the step failed"}
+        refused = client.post("/v1/completions", json={"prompt": "a"})
+        assert refused.status_code == 503 and "RuntimeError: the step failed" in refused.json()["error"]["message"]
+
+
+def error_of(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+RAW = [  # (body bytes, what the message says)
+    (b'{"prompt": "a",, }', "not valid JSON: Expecting property name enclosed in double quotes at line 1 column 16"),
+    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8 (byte 12)"),
+    (b'[{"prompt": "a"}]', "must be a JSON object, not list"),
+    (b'"a"', "must be a JSON object, not str"),
+    (b'{"prompt": "a", "temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"prompt": "a", "temperature": Infinity}', "Infinity is not a JSON number"),
+    (b'{"prompt": "a", "top_p": -Infinity}', "-Infinity is not a JSON number"),
+    (b'{"prompt": "a", "temperature": 1e999}', "1e999 overflows a double"),
+    (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "digits"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b"", "Expecting value at line 1 column 1"),
+]
+
+
+@pytest.mark.parametrize("raw, message", RAW)
+def test_bodies_that_are_not_a_json_object_are_400_in_openai_shape(ready_client, raw, message):
+    error = error_of(ready_client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+                     400)
+    assert message in error["message"] and error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
+
+
+TYPES = [  # (body, param): the value has the wrong type, or is not finite
+    ({"prompt": [1.0, 2]}, "prompt[0]"),
+    ({"prompt": [1, 2.5]}, "prompt[1]"),
+    ({"prompt": [True]}, "prompt[0]"),
+    ({"prompt": [[1, 2], [3, False]]}, "prompt[1][1]"),
+    ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": {"text": "a"}}, "prompt"),
+    ({"prompt": "a", "stop_token_ids": [1.0]}, "stop_token_ids[0]"),
+    ({"prompt": "a", "stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ({"prompt": "a", "n": True}, "n"),
+    ({"prompt": "a", "n": 2.0}, "n"),
+    ({"prompt": "a", "max_tokens": False}, "max_tokens"),
+    ({"prompt": "a", "temperature": True}, "temperature"),
+    ({"prompt": "a", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "a", "stream": 1}, "stream"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "stop": ["x", 3]}, "stop[1]"),
+    ({"prompt": "a", "stop": 3}, "stop"),
+    ({"prompt": "a", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ({"prompt": "a", "model": 3}, "model"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": ["ok", "a\udfffb"]}, "prompt[1]"),
+    ({"prompt": "a", "stop": ["\udc00"]}, "stop[0]"),
+]
+
+
+@pytest.mark.parametrize("body, param", TYPES)
+def test_wrong_types_and_lone_surrogates_are_400_naming_the_parameter(ready_client, body, param):
+    import json
+
+    raw = json.dumps(body).encode()  # ensure_ascii: a lone surrogate travels as the escape \ud800
+    error = error_of(ready_client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+                     400)
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_unknown_model_is_404_as_openai_answers_it(ready_client):
+    error = error_of(ready_client.post("/v1/completions", json={"model": "gpt-9", "prompt": "a"}), 404)
+    assert error == {"message": "The model `gpt-9` does not exist; this server serves `meshtron`", "param": "model",
+                     "type": "invalid_request_error", "code": "model_not_found"}
+    chat = ready_client.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "a"}]})
+    assert error_of(chat, 404)["code"] == "model_not_found"
+    for model in ("", None, "meshtron"):  # empty or absent: the served model
+        r = ready_client.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_unknown_url_and_method_are_openai_shaped(ready_client):
+    assert error_of(ready_client.get("/v1/nope"), 404)["message"] == "Invalid URL (GET /v1/nope)"
+    assert "GET is not allowed" in error_of(ready_client.get("/v1/completions"), 405)["message"]
+
+
+def chat(client, content, **extra):
+    return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                     "max_tokens": 6, "temperature": 0, **extra})
+
+
+def test_chat_text_parts_are_joined_and_other_parts_refused(ready_client):
+    whole = chat(ready_client, "hello there")
+    parts = chat(ready_client, [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}])
+    assert whole.status_code == parts.status_code == 200
+    assert parts.json()["choices"][0]["message"] == whole.json()["choices"][0]["message"]
+    for part in ({"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                 {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}):
+        error = error_of(chat(ready_client, [{"type": "text", "text": "a"}, part]), 400)
+        assert error["param"] == "messages[0].content[1].type" and repr(part["type"]) in error["message"]
+    assert error_of(chat(ready_client, [{"type": "text", "text": 3}]), 400)["param"] == "messages[0].content[0].text"
+    assert error_of(chat(ready_client, {"text": "a"}), 400)["param"] == "messages[0].content"
+
+
+def test_top_logprobs_needs_logprobs(ready_client):
+    error = error_of(chat(ready_client, "a", top_logprobs=2), 400)
+    assert error["param"] == "top_logprobs" and "logprobs must be true" in error["message"]
+    assert chat(ready_client, "a", top_logprobs=2, logprobs=True).status_code == 200

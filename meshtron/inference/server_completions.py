@@ -1,0 +1,187 @@
+"""/v1/completions and /v1/chat/completions. The event loop only reads the body (within its byte
+limit) and moves outputs; parsing, validation, chat-template rendering, tokenizing and the echo's
+detokenizing run in the server's thread pool, so a large request never holds up the others. Engine
+request ids are the server's own (`cmpl-<uuid>-<i>`); a client's X-Request-Id is logged only.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from meshtron.inference.chat_template import render_chat
+from meshtron.inference.engine import LLMEngine
+from meshtron.inference.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_log_probs,
+    completion_log_probs,
+    envelope,
+    finish_reason,
+    parse_body,
+    usage,
+)
+from meshtron.inference.request import Request as EngineRequest
+from meshtron.inference.server_limits import ServerConfig, check_chat, check_completion, read_body
+from meshtron.inference.server_streams import Run, client_closed, sse, stream_error
+
+if TYPE_CHECKING:
+    from meshtron.inference.server import ServerState
+
+logger = logging.getLogger("meshtron.server")
+
+
+def parse_request(model_cls, raw: bytes, served: str):
+    """Body bytes -> a validated request for the served model (404 for another model's name)."""
+    data = parse_body(raw)
+    model = data.get("model")
+    if isinstance(model, str) and model and model != served:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`", "model",
+                       code="model_not_found")
+    body = model_cls.model_validate(data)
+    body.unsupported()
+    return body
+
+
+def encode(tokenizer, text: str, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except Exception as e:  # e.g. a special token a tokenizer refuses in plain text: the client's input
+        raise ApiError(400, f"{param}: the tokenizer cannot encode it: {type(e).__name__}: {e}", param) from None
+
+
+def prepare_completion(raw: bytes, engine: LLMEngine, cfg: ServerConfig, response_id: str
+                       ) -> tuple[CompletionRequest, list[EngineRequest], list[str]]:
+    """In the thread pool: the engine requests (n per prompt, in order) and each choice's echo."""
+    body = parse_request(CompletionRequest, raw, engine.model_name)
+    prompts = body.prompts()
+    check_completion(body, prompts, cfg, engine.config.max_model_len)
+    requests, echoes = [], []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        token_ids = encode(engine.tokenizer, prompt, param) if isinstance(prompt, str) else list(prompt)
+        for j in range(body.n):
+            params = body.sampling_params(body.max_tokens, 16, j, body.logprobs is not None, body.logprobs or 0)
+            requests.append(engine.make_request(token_ids, params, f"{response_id}-{len(requests)}"))
+        echo = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(token_ids)) if body.echo else ""
+        echoes.extend([echo] * body.n)
+    return body, requests, echoes
+
+
+def prepare_chat(raw: bytes, engine: LLMEngine, cfg: ServerConfig, response_id: str
+                 ) -> tuple[ChatCompletionRequest, list[EngineRequest]]:
+    body = parse_request(ChatCompletionRequest, raw, engine.model_name)
+    check_chat(body, cfg, engine.config.max_model_len)
+    try:
+        text, extra_stop = render_chat([m.model_dump() for m in body.messages],
+                                       getattr(engine.tokenizer, "chat_template", None), engine.tokenizer)
+    except Exception as e:  # a template that rejects the conversation
+        raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
+    token_ids = encode(engine.tokenizer, text, "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    default_max = max(1, engine.config.max_model_len - len(token_ids))
+    requests = []
+    for j in range(body.n):
+        params = body.sampling_params(max_tokens, default_max, j, body.logprobs, body.top_logprobs or 0)
+        params.stop = params.stop + extra_stop
+        requests.append(engine.make_request(token_ids, params, f"{response_id}-{j}"))
+    return body, requests
+
+
+def log_request(request: Request, response_id: str) -> None:
+    client_id = request.headers.get("x-request-id")
+    if client_id is not None:
+        logger.info("%s %s: client request id %r", request.url.path, response_id, client_id[:200])
+
+
+def install_completion_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        engine = state.ready()
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        log_request(request, response_id)
+        raw = await read_body(request, state.config.max_body_bytes)
+        body, requests, echoes = await state.offload(prepare_completion, raw, engine, state.config, response_id)
+        run = Run(engine, requests, request, state.metrics, body.n, response_id)
+        if body.stream:
+            return sse(completion_chunks(run, body, echoes), run)
+        outputs = await run.collect()
+        if outputs is None:
+            return client_closed()
+        if (failed := run.failed(outputs)) is not None:
+            return failed
+        choices = [{"index": i, "text": echoes[i] + o.text, "finish_reason": o.finish_reason,
+                    "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]),
+                                                     body.return_tokens_as_token_ids)}
+                   for i, o in enumerate(outputs)]
+        return JSONResponse(envelope("text_completion", response_id, engine.model_name, choices,
+                                     {"usage": usage(outputs, body.n)}), headers={"x-request-id": response_id})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        engine = state.ready()
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        log_request(request, response_id)
+        raw = await read_body(request, state.config.max_body_bytes)
+        body, requests = await state.offload(prepare_chat, raw, engine, state.config, response_id)
+        run = Run(engine, requests, request, state.metrics, body.n, response_id)
+        if body.stream:
+            return sse(chat_chunks(run, body), run)
+        outputs = await run.collect()
+        if outputs is None:
+            return client_closed()
+        if (failed := run.failed(outputs)) is not None:
+            return failed
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
+                    "logprobs": chat_log_probs(engine.tokenizer, o.log_probs) if body.logprobs else None}
+                   for i, o in enumerate(outputs)]
+        return JSONResponse(envelope("chat.completion", response_id, engine.model_name, choices,
+                                     {"usage": usage(outputs, body.n)}), headers={"x-request-id": response_id})
+
+
+async def completion_chunks(run: Run, body: CompletionRequest, echoes: list[str]) -> AsyncIterator[dict]:
+    engine, started = run.engine, set()
+    outputs = run.outputs()
+    try:
+        async for index, out in outputs:
+            text = out.new_text if index in started else echoes[index] + out.new_text
+            started.add(index)
+            offset = len(out.text) - len(out.new_text) + len(echoes[index])
+            choice = {"index": index, "text": text, "finish_reason": finish_reason(out),
+                      "logprobs": completion_log_probs(engine.tokenizer, out.new_log_probs, offset,
+                                                       body.return_tokens_as_token_ids)}
+            yield envelope("text_completion", run.response_id, engine.model_name, [choice])
+            if (error := stream_error(run, out)) is not None:
+                yield error
+    finally:
+        await outputs.aclose()
+    if body.include_usage():
+        yield envelope("text_completion", run.response_id, engine.model_name, [],
+                       {"usage": usage(run.final, body.n)})
+
+
+async def chat_chunks(run: Run, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+    engine, started = run.engine, set()
+    outputs = run.outputs()
+    try:
+        async for index, out in outputs:
+            delta: dict[str, Any] = {"content": out.new_text}
+            if index not in started:
+                started.add(index)
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason(out),
+                      "logprobs": chat_log_probs(engine.tokenizer, out.new_log_probs) if body.logprobs else None}
+            yield envelope("chat.completion.chunk", run.response_id, engine.model_name, [choice])
+            if (error := stream_error(run, out)) is not None:
+                yield error
+    finally:
+        await outputs.aclose()
+    if body.include_usage():
+        yield envelope("chat.completion.chunk", run.response_id, engine.model_name, [],
+                       {"usage": usage(run.final, body.n)})
