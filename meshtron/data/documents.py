@@ -128,11 +128,17 @@ def _text_of(record, json_key: str, path: str, offset: int) -> str:
     if not isinstance(text, str):
         raise ValueError(f"--input: {path} line {line_number(path, offset)}: {json_key!r} is "
                          f"{_JSON_KINDS.get(type(text), type(text).__name__)}, not a string; fix or drop that line")
-    # A JSON escape such as "\ud800" outside a surrogate pair decodes to a code point that is not text.
-    if (bad := _SURROGATE.search(text)) is not None:
-        raise ValueError(f"--input: {path} line {line_number(path, offset)}: {json_key!r} holds a lone surrogate "
-                         f"U+{ord(bad.group()):04X} at character {bad.start()}, which is not text; fix or drop that line")
+    if (bad := lone_surrogate(text)) is not None:
+        raise ValueError(f"--input: {path} line {line_number(path, offset)}: {json_key!r} holds {bad}, which is not "
+                         "text; fix or drop that line")
     return text
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Describe the first lone surrogate in `text` (None when there is none). A JSON escape such as
+    "\ud800" outside a surrogate pair decodes to such a code point: not text, and not encodable."""
+    bad = _SURROGATE.search(text)
+    return None if bad is None else f"a lone surrogate U+{ord(bad.group()):04X} at character {bad.start()}"
 
 
 def iter_shard_documents(shard: Shard, json_key: str = "text") -> Iterator[str]:

@@ -27,6 +27,7 @@ import numpy as np
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import RunConfig
 from meshtron.data.chat import read_chat_template, render_messages
+from meshtron.data.documents import lone_surrogate
 from meshtron.data.packing import assemble_sample, best_fit_decreasing
 from meshtron.data.stream import split_documents
 from meshtron.data.tokenizer import Tokenizer
@@ -56,8 +57,29 @@ def read_conversations(paths: list[str]) -> list[list[dict[str, Any]]]:
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
                 raise ConfigError(f"data.paths: {path} line {num} has no 'messages' list of {{'role', 'content'}} "
                                   "objects; data.format sft reads chat jsonl")
+            for k, message in enumerate(messages):
+                if (problem := _content_problem(message.get("content"))) is not None:
+                    raise ConfigError(f"data.paths: {path} line {num}: message {k} content {problem}; "
+                                      "fix or drop that line")
             out.append(messages)
     return out
+
+
+def _content_problem(content: Any) -> Optional[str]:
+    """What is wrong with a message's content; None for a string, null, or a list of parts whose
+    texts are strings (what chat.message_text reads)."""
+    if content is None:
+        return None
+    if isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+        texts = [p.get("text", "") for p in content]
+    else:
+        return "is not a string, null or a list of {'type', 'text'} parts"
+    for text in texts:
+        if (bad := lone_surrogate(text)) is not None:
+            return f"holds {bad}, which is not text"
+    return None
 
 
 def tokenize_conversation(messages: list[dict[str, Any]], render: Callable[[list, bool], str],

@@ -150,3 +150,26 @@ def test_packed_and_unpacked_runs_give_equal_losses(tiny_config, tmp_path):
     assert results["true"][0] < results["false"][0] == 14      # packing used fewer samples
     assert results["true"][1] == pytest.approx(results["false"][1], abs=2e-6, rel=0)
     assert results["true"][1][-1] < results["true"][1][0]     # and it trained
+
+
+@pytest.mark.parametrize("content,message", [
+    (123, "message 1 content is not a string, null or a list"),
+    ({"text": "x"}, "message 1 content is not a string"),
+    ([{"type": "text", "text": None}], "message 1 content is not a string"),
+    ("a \ud800 b", "message 1 content holds a lone surrogate U\\+D800 at character 2"),
+    ([{"type": "text", "text": "\udfff"}], "message 1 content holds a lone surrogate U\\+DFFF"),
+])
+def test_chat_content_that_is_not_text_names_file_and_line(tmp_path, content, message):
+    """Issue 16: a number, an object or a lone surrogate as content used to reach the template (a
+    TypeError traceback, or the text "{'text': 'x'}") or the tokenizer's UTF-8 encoder."""
+    from meshtron.data.sft import read_conversations
+
+    path = tmp_path / "chats.jsonl"
+    good = json.dumps({"messages": CONVERSATION})
+    bad = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]})
+    path.write_text(f"{good}\n\n{bad}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"data.paths: {path} line 3: {message}"):
+        read_conversations([str(path)])
+    for fine in (None, "text", [{"type": "text", "text": "a"}, {"type": "image_url"}]):
+        path.write_text(json.dumps({"messages": [{"role": "assistant", "content": fine}]}) + "\n")
+        assert read_conversations([str(path)])[0][0]["content"] == fine
