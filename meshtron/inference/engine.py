@@ -11,12 +11,16 @@ Once that thread runs, `generate` hands its requests to it too and waits on a th
 (never on an event loop), so it also works when called from inside a running loop.
 A lock makes `step`, `suspend` and `resume` exclusive, so the fronts can be mixed; the loop hands it
 over between steps (`HandoffLock`), so another thread never waits more than one step for it.
+Faults stay with their request: one that fails while admitted, sampled or detokenized ends alone
+with an error in its output. An error in the step itself fails the requests in flight; when the
+engine cannot go on, `fatal_error` says why and every later request fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import random
 import threading
@@ -36,6 +40,11 @@ from meshtron.inference.runner import ModelRunner, kv_bytes_per_token
 from meshtron.inference.scheduler import Scheduler
 
 Prompt = Union[str, Sequence[int]]
+
+log = logging.getLogger("meshtron.engine")
+
+# The background loop gives up (sets `fatal_error`) after this many steps in a row raised.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 # Sublayers the engine can run: attention keeps keys/values in the paged cache; Mamba keeps a
@@ -109,6 +118,7 @@ class LLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
         self._stopping = False
+        self.fatal_error: Optional[str] = None  # set when the background loop cannot go on
         self.num_steps = 0
         # Called as hook(kind, payload) before each forward ("step", chunks), on suspend ("release")
         # and at shutdown ("stop"): tensor-parallel serving forwards these to the follower ranks.
@@ -158,8 +168,8 @@ class LLMEngine:
             raise InvalidRequestError(request.req_id, "request_id", "a request with this id is already running")
         seed = request.sampling_params.seed
         seed = seed if seed is not None else self._rng.getrandbits(63)
+        self.runner.add_request(request.req_id, request.sampling_params, seed)  # raises before registering
         self._seeds[request.req_id] = seed
-        self.runner.add_request(request.req_id, request.sampling_params, seed)
         self._detokenizers[request.req_id] = Detokenizer(self.tokenizer, request.sampling_params.stop)
         self.scheduler.add_request(request)
 
@@ -203,34 +213,51 @@ class LLMEngine:
             try:
                 sampled = self.runner.execute(sched)
             except Exception as e:  # fail this step's requests, keep serving the others
-                return self._emit([self._fail(c.req_id, f"{type(e).__name__}: {e}") for c in sched.chunks])
+                return self._emit([self._fail(c.req_id, f"the forward failed: {type(e).__name__}: {e}")
+                                   for c in sched.chunks])
+            # a row that could not be sampled (non-finite logits) fails alone, before its token is applied
+            failed = [self._fail(req_id, token.error) for req_id, token in sampled.items() if token.error]
             changed = self.scheduler.update_from_output(sched, sampled)
-            return self._emit(self._outputs(changed))
+            return self._emit(failed + self._outputs(changed))
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now, outputs = time.monotonic(), []
         for request in changed:
-            detok = self._detokenizers[request.req_id]
-            if detok.update(request) and not request.is_finished:
-                self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
-            if request.is_finished:
-                outputs.append(self._finish_output(request, now))
-            else:
-                outputs.append(detok.output(request, now))
+            try:
+                outputs.append(self._output(request, now))
+            except Exception as e:  # a request whose text cannot be made fails alone
+                outputs.append(self._fail(request, f"detokenizing failed: {type(e).__name__}: {e}", decode=False))
         return outputs
 
-    def _finish_output(self, request: Request, now: Optional[float] = None) -> RequestOutput:
-        detok = self._detokenizers.pop(request.req_id, None) or Detokenizer(self.tokenizer, ())
-        detok.update(request)  # the final text, cut at a stop string
+    def _output(self, request: Request, now: float) -> RequestOutput:
+        detok = self._detokenizers[request.req_id]
+        if detok.update(request) and not request.is_finished:
+            self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            return self._finish_output(request, now)
+        return detok.output(request, now)
+
+    def _finish_output(self, request: Request, now: Optional[float] = None, decode: bool = True) -> RequestOutput:
+        detok = self._detokenizers.pop(request.req_id, None)
         self.runner.remove_request(request.req_id)
         self._seeds.pop(request.req_id, None)
+        if detok is None or not decode:
+            detok = Detokenizer(self.tokenizer, ())  # no text (a fresh one decodes nothing)
+        else:
+            detok.update(request)  # the final text, cut at a stop string
         return detok.output(request, now or time.monotonic())
 
-    def _fail(self, req_id: str, message: str) -> RequestOutput:
-        request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_FAILED)
-        assert request is not None, f"{req_id} failed after it finished"
-        request.error = message
-        return self._finish_output(request)
+    def _fail(self, request: Union[str, Request], message: str, decode: bool = True) -> RequestOutput:
+        """Finish a request (queued, running or just finished) as failed with `message` in its output."""
+        req_id = request if isinstance(request, str) else request.req_id
+        found = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_FAILED)
+        request = found if found is not None else request
+        assert isinstance(request, Request), f"{req_id} failed after it finished"
+        request.status, request.error = RequestStatus.FINISHED_FAILED, message
+        try:
+            return self._finish_output(request, decode=decode)
+        except Exception:  # the partial text could not be decoded either: report without it
+            return self._finish_output(request, decode=False)
 
     def _emit(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
@@ -251,11 +278,16 @@ class LLMEngine:
             if kind == "add":
                 try:
                     self._admit(item)
-                except InvalidRequestError as e:
-                    item.status, item.error = RequestStatus.FINISHED_FAILED, str(e)
-                    self._emit([Detokenizer(self.tokenizer, ()).output(item, time.monotonic())])
+                except Exception as e:  # this request fails alone, whatever went wrong
+                    message = str(e) if isinstance(e, InvalidRequestError) else f"admitting failed: {type(e).__name__}: {e}"
+                    self._reject(item, message)
             else:
                 self.abort(item)
+
+    def _reject(self, request: Request, message: str) -> None:
+        """Tell a request that never entered the scheduler that it failed."""
+        request.status, request.error = RequestStatus.FINISHED_FAILED, message
+        self._emit([Detokenizer(self.tokenizer, ()).output(request, time.monotonic())])
 
     # ---- synchronous front ----------------------------------------------------------------------
 
@@ -273,7 +305,12 @@ class LLMEngine:
                 self._admit(request)
             final: dict[str, RequestOutput] = {}
             while len(final) < len(requests):
-                for out in self.step():
+                try:
+                    outs = self.step()
+                except Exception as e:  # leave the engine clean for the next call, then tell the caller
+                    self._recover(f"the engine step failed: {type(e).__name__}: {e}")
+                    raise
+                for out in outs:
                     if out.finished:
                         final[out.req_id] = out
                 if self._suspended is not None:
@@ -289,8 +326,7 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         try:
             for request in requests:
-                self._inbox.put(("add", request))
-            self.start_background_loop()
+                self._submit(request)
             while len(final) < len(requests):
                 out = done.get()
                 if out.finished:
@@ -316,8 +352,7 @@ class LLMEngine:
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._streams[request.req_id] = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
-        self._inbox.put(("add", request))
-        self.start_background_loop()
+        self._submit(request)
         finished = False
         try:
             while not finished:
@@ -330,21 +365,78 @@ class LLMEngine:
                 self._inbox.put(("abort", request.req_id))
                 self._wake.set()
 
+    def _submit(self, request: Request) -> None:
+        """Hand a request to the background loop; once the engine has died it fails at once."""
+        self._inbox.put(("add", request))
+        if self.fatal_error is None:
+            self.start_background_loop()
+        if self.fatal_error is not None:  # also catches a request queued while the loop died
+            self._fail_inbox()
+
     def start_background_loop(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self.fatal_error is None:
             self._stopping = False
             self._thread = threading.Thread(target=self._run_loop, name="meshtron-engine", daemon=True)
             self._thread.start()
         self._wake.set()
 
     def _run_loop(self) -> None:
-        while not self._stopping:
-            if self._inbox.empty() and (self.scheduler.num_unfinished == 0 or self._suspended is not None):
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            self.step()
-            self._lock.hand_over()
+        failures = 0
+        try:
+            while not self._stopping:
+                if self._inbox.empty() and (self.scheduler.num_unfinished == 0 or self._suspended is not None):
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                try:
+                    self.step()
+                    failures = 0
+                except Exception as e:
+                    failures += 1
+                    message = f"the engine step failed: {type(e).__name__}: {e}"
+                    log.exception("%s (%d in a row)", message, failures)
+                    if not self._recover(message) or failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        self._die(f"{message} ({failures} step(s) in a row); the engine stopped")
+                        return
+                self._lock.hand_over()
+        except BaseException as e:  # never die silently: whoever waits is told
+            self._die(f"the engine loop stopped: {type(e).__name__}: {e}")
+            raise
+
+    def _recover(self, message: str) -> bool:
+        """After a step raised: fail every request in flight and check the cache is whole again;
+        -> whether the engine can go on."""
+        with self._lock:
+            for req_id in list(self.scheduler.requests):
+                self._emit([self._fail(req_id, message, decode=False)])
+            try:
+                self.kv.reset()  # every block must be free now; the prefix cache may be stale
+            except Exception:
+                log.exception("the KV cache is inconsistent after a failed step")
+                return False
+            return True
+
+    def _die(self, message: str) -> None:
+        """The engine cannot go on: record why, fail everything in flight and everything queued."""
+        with self._lock:
+            self.fatal_error = message
+            for req_id in list(self.scheduler.requests):
+                try:
+                    self._emit([self._fail(req_id, message, decode=False)])
+                except Exception:
+                    log.exception("failing %s", req_id)
+        self._fail_inbox()
+        log.error("%s", message)
+
+    def _fail_inbox(self) -> None:
+        with self._lock:
+            while True:
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if kind == "add":
+                    self._reject(item, f"the engine is not running: {self.fatal_error}")
 
     def shutdown(self, abort_running: bool = True) -> None:
         """Stop the background thread; abort what is still running (the server drains first)."""

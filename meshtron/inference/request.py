@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -76,6 +77,11 @@ class SamplingParams:
     logprobs_mode: str = "raw"
 
     MAX_TOP_LOG_PROBS = 20
+    # Below this a temperature is refused (0 is greedy): sampling there is the argmax in all but name,
+    # and far smaller values break the fp32 softmax (1e-300 is 0 in fp32: x / 0 gives inf and NaN).
+    MIN_TEMPERATURE = 1e-3
+    # torch.Generator.manual_seed's range; a request with n choices seeds choice i with seed + i.
+    SEED_RANGE = (-(2**63), 2**64 - 1)
 
     @property
     def greedy(self) -> bool:
@@ -88,24 +94,41 @@ class SamplingParams:
                 raise InvalidRequestError(req_id, param, message)
 
         need(num_prompt_tokens > 0, "prompt", "the prompt is empty; give at least one token")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-             f"{self.max_tokens} is not allowed; must be an integer >= 1")
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+             f"{self.max_tokens!r} is not allowed; must be an integer >= 1")
         need(num_prompt_tokens + self.max_tokens <= max_model_len, "max_tokens",
              f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({self.max_tokens}) exceeds the context "
              f"length {max_model_len}; shorten the prompt or lower max_tokens")
-        need(self.temperature >= 0, "temperature", f"{self.temperature} is not allowed; must be >= 0")
-        need(0 < self.top_p <= 1, "top_p", f"{self.top_p} is not allowed; must be in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-             f"{self.top_k} is not allowed; must be an integer >= 0 (0 keeps all)")
-        need(0 <= self.min_p <= 1, "min_p", f"{self.min_p} is not allowed; must be in [0, 1]")
+        self._validate_numbers(need)
         need(self.logprobs_mode in ("raw", "processed"), "logprobs_mode",
              f"{self.logprobs_mode!r} is not allowed; choose raw or processed")
-        need(0 <= self.top_log_probs <= self.MAX_TOP_LOG_PROBS, "top_log_probs",
-             f"{self.top_log_probs} is not allowed; must be in [0, {self.MAX_TOP_LOG_PROBS}]")
+        need(_is_int(self.top_log_probs) and 0 <= self.top_log_probs <= self.MAX_TOP_LOG_PROBS, "top_log_probs",
+             f"{self.top_log_probs!r} is not allowed; must be an integer in [0, {self.MAX_TOP_LOG_PROBS}]")
+        need(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "token ids must be integers")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        need(not bad, "stop_token_ids", f"{bad} outside the vocabulary [0, {vocab_size})")
+        need(not bad, "stop_token_ids", f"{bad[:4]} outside the vocabulary [0, {vocab_size})")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
-        need(self.seed is None or isinstance(self.seed, int), "seed", f"{self.seed!r} is not an integer")
+        low, high = self.SEED_RANGE
+        need(self.seed is None or (_is_int(self.seed) and low <= self.seed <= high), "seed",
+             f"{self.seed!r} is not allowed; must be an integer in [{low}, {high}] (with n > 1, seed + n - 1 too)")
+
+    def _validate_numbers(self, need) -> None:
+        t = self.temperature
+        need(_is_number(t) and (t == 0 or self.MIN_TEMPERATURE <= t), "temperature",
+             f"{t!r} is not allowed; must be 0 (greedy) or a finite number >= {self.MIN_TEMPERATURE}")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"{self.top_p!r} is not allowed; must be in (0, 1]")
+        need(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+             f"{self.top_k!r} is not allowed; must be an integer >= 0 (0 keeps all)")
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"{self.min_p!r} is not allowed; must be in [0, 1]")
+
+
+def _is_int(value) -> bool:
+    """An int that is not a bool (True is an int in Python, never a count or a token id here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
 @dataclass

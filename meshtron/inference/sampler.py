@@ -10,6 +10,8 @@ sampled from (after temperature and filtering; a greedy row keeps the raw ones).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from meshtron.inference.request import SamplingParams, TokenLogProbs
@@ -36,17 +38,28 @@ def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
                 req_ids: list[str]) -> dict[str, SampledToken]:
-    """logits (rows, vocab) of each sampling request's last token -> req_id -> sampled token."""
+    """logits (rows, vocab) of each sampling request's last token -> req_id -> sampled token.
+    A row that cannot be sampled (NaN or +inf logits, no probability mass left) gets an error
+    instead of a token; the other rows are sampled exactly as they would be without it."""
     logits = logits.float()
+    errors: list[Optional[str]] = [None] * len(params)
+    bad_logits = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
+    for i in bad_logits.nonzero()[:, 0].tolist():  # one host sync per step; empty unless something broke
+        errors[i] = "the model produced non-finite logits for this request; it was not sampled"
     token_ids = logits.argmax(-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy and errors[i] is None]
     log_prob_logits = logits
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
         scaled = filter_rows(logits[index] / temperature[:, None], [params[i] for i in random_rows])
         probs = scaled.softmax(-1)
+        # checked before multinomial, which raises on CPU but trips a device assert on a GPU
+        unusable = ((~probs.isfinite()).any(-1) | (probs.sum(-1) <= 0)).tolist()
         for j, i in enumerate(random_rows):
+            if unusable[j]:
+                errors[i] = "sampling failed for this request: its probabilities are not finite; check temperature"
+                continue
             token_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
         processed = [j for j, i in enumerate(random_rows) if params[i].return_log_probs
                      and params[i].logprobs_mode == "processed"]
@@ -55,7 +68,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
             log_prob_logits[index[processed]] = scaled[processed]
     log_probs = _log_probs(log_prob_logits, token_ids, params)
     ids = token_ids.tolist()
-    return {req_id: SampledToken(ids[i], log_probs[i]) for i, req_id in enumerate(req_ids)}
+    return {req_id: SampledToken(ids[i], log_probs[i]) if errors[i] is None else SampledToken(-1, None, errors[i])
+            for i, req_id in enumerate(req_ids)}
 
 
 def _log_probs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> list:

@@ -55,6 +55,7 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     log_probs: Optional[TokenLogProbs] = None
+    error: Optional[str] = None  # the row could not be sampled: its request fails alone, nothing is appended
 
 
 class Scheduler:

@@ -197,7 +197,7 @@ def test_abort_and_fail_events_in_order_with_timestamps(model):
     eng.runner.execute = working
     assert [o.req_id for o in outs] == ids
     for out, req in zip(outs, failed_requests):
-        assert out.finished and out.finish_reason == "error" and out.error == "RuntimeError: device lost"
+        assert out.finished and out.finish_reason == "error" and out.error == "the forward failed: RuntimeError: device lost"
         assert [e.kind.value for e in out.events] == ["added", "scheduled", "failed"]
         assert [e.timestamp for e in out.events] == sorted(e.timestamp for e in out.events)
         assert req.status == RequestStatus.FINISHED_FAILED
