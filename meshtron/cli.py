@@ -5,6 +5,7 @@
     meshtron grads compare RUN_A RUN_B [--step N]
     meshtron generate --checkpoint DIR --prompt "def " [--max-new-tokens --temperature --top-k --top-p --seed]
     meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 engine options]
+    meshtron checkpoint upgrade PATH
     meshtron rl --config C [--section.field value ...]
     meshtron bench train [options]
     meshtron bench offload [options]
@@ -98,6 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(factory, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
 
 
+def cmd_checkpoint_upgrade(args: argparse.Namespace) -> int:
+    from meshtron.checkpoint import upgrade_checkpoint
+
+    for step_dir, changed in upgrade_checkpoint(args.path):
+        print(f"{step_dir}: {'upgraded' if changed else 'already current'}")
+    return 0
+
+
 def _bench_argv(args: argparse.Namespace) -> list[str]:
     """The benchmark's own arguments: what followed `meshtron bench NAME`, less the `--` main() put there."""
     return args.rest[1:] if args.rest[:1] == ["--"] else list(args.rest)
@@ -160,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="uvicorn log level (default info)")
     add_engine_arguments(srv)
     srv.set_defaults(func=cmd_serve)
+
+    ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True, parser_class=OneLineParser)
+    upgrade = ckpt_sub.add_parser(
+        "upgrade", help="convert an older checkpoint (trainer_state.pt, no sha256) to the current format in place",
+        description="Rewrite trainer_state.pt as trainer_state.json + trainer_state.safetensors and add sha256 "
+                    "hashes to the manifest. Reading trainer_state.pt admits numpy's array reconstruction, which "
+                    "loading refuses: run it only on checkpoints you trust (ones you wrote). docs/checkpoints.md")
+    upgrade.add_argument("path", help="a step directory, or a save directory (every step directory in it)")
+    upgrade.set_defaults(func=cmd_checkpoint_upgrade)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=OneLineParser)

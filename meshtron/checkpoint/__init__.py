@@ -1,4 +1,5 @@
-"""Checkpoints: atomic DCP saves with a `latest` pointer, verified before they are loaded."""
+"""Checkpoints: atomic DCP saves with a `latest` pointer, verified (sizes, sha256) and loaded without
+running code from the files; `upgrade_checkpoint` converts ones written before that format."""
 
 from meshtron.checkpoint.manager import (
     CheckpointError,
@@ -6,6 +7,9 @@ from meshtron.checkpoint.manager import (
     load_checkpoint,
     read_checkpoint_config,
     resolve_checkpoint,
+    trainer_state_errors,
 )
+from meshtron.checkpoint.upgrade import upgrade_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointManager", "load_checkpoint", "read_checkpoint_config", "resolve_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointManager", "load_checkpoint", "read_checkpoint_config", "resolve_checkpoint",
+           "trainer_state_errors", "upgrade_checkpoint"]

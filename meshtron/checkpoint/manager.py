@@ -1,23 +1,20 @@
 """Atomic, resumable checkpoints on `torch.distributed.checkpoint` (DCP).
 
 Layout of a save directory:
-    step_00000100/            one checkpoint: DCP files (model, optimizer), trainer_state.pt
-                              (scheduler, step, RNG, data position), config.yaml, manifest.json
+    step_00000100/            one checkpoint: DCP files (model, optimizer), trainer_state.json and
+                              trainer_state.safetensors (step, RNG, data position), config.yaml, manifest.json
     latest                    text file naming the newest complete step directory
-A checkpoint is written into `.tmp-step_...`, its manifest (every file with its size) written
-last, then renamed into place; only then is `latest` replaced. A crash at any point leaves the
-previous checkpoint complete and `latest` pointing at it. Loading checks the manifest first, so a
-missing or truncated checkpoint is reported in one line and nothing is half-loaded.
+A checkpoint is written into `.tmp-step_...`, its manifest (every file with its size and sha256)
+written last, then renamed into place; only then is `latest` replaced. A crash at any point leaves the
+previous checkpoint complete and `latest` pointing at it. Loading checks the manifest first and runs
+no code from the files (see layout.py, dcp_safe.py, state_io.py); a bad checkpoint is one line.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,74 +26,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map
 
-MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state.pt"
-STEP_DIR = re.compile(r"^step_(\d+)$")
+from meshtron.checkpoint.dcp_safe import load_dcp, read_dcp_metadata, single_process_quiet
+from meshtron.checkpoint.layout import (
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    fsync_dir,
+    hash_files,
+    require_listed,
+    resolve_checkpoint,
+    step_dir_name,
+    verify_checkpoint,
+    write_manifest,
+)
+from meshtron.checkpoint.state_io import STATE_JSON, STATE_TENSORS, read_trainer_state, write_trainer_state
+from meshtron.checkpoint.upgrade import LEGACY_STATE, read_legacy_state
 
-
-
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns that it assumes one process when no process group exists; that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which one and why."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory, or a save directory whose `latest` names one -> the step directory."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
-    if (p / "latest").is_file():
-        name = (p / "latest").read_text().strip()
-        p = p / name
-        if not p.is_dir():
-            raise CheckpointError(f"checkpoint {str(p)!r} named by 'latest' is missing")
-    if not (p / MANIFEST).is_file():
-        raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no {MANIFEST}; "
-                              "the save was interrupted or the path is wrong)")
-    return p
-
-
-def verify_checkpoint(step_dir: Path) -> dict[str, Any]:
-    """Check every file listed in the manifest exists with its recorded size; return the manifest."""
-    try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {str(step_dir)!r} has an unreadable manifest ({e})") from None
-    for name, size in manifest["files"].items():
-        f = step_dir / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {str(step_dir)!r} is missing {name}")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {str(step_dir)!r} is truncated: {name} has "
-                                  f"{f.stat().st_size} bytes, expected {size}")
-    return manifest
-
-
-def _write_manifest(directory: Path, step: int) -> None:
-    files = {str(f.relative_to(directory)): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(tmp, directory / MANIFEST)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
+TRAINER_STATE = STATE_JSON
+CONFIG = "config.yaml"
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 NESTED = StateDictOptions()  # checkpoints written before 24 Nov 2026: `optimizer.param_groups` as a list
@@ -184,24 +131,38 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         self._barrier()
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
         self._barrier()
+        shard_hashes = self._hash_own_shards(tmp)
         if _is_writer():
-            torch.save(trainer_state, tmp / TRAINER_STATE)
-            (tmp / "config.yaml").write_text(config_yaml)
-            _write_manifest(tmp, step)
+            write_trainer_state(tmp, trainer_state)
+            (tmp / CONFIG).write_text(config_yaml)
+            write_manifest(tmp, step, known=shard_hashes)
             if before_finalize is not None:
                 before_finalize(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.save_dir)
+            fsync_dir(self.save_dir)
             latest_tmp = self.save_dir / "latest.tmp"
             latest_tmp.write_text(final.name + "\n")
             os.replace(latest_tmp, self.save_dir / "latest")
             self._prune()
         self._barrier()
+
+    def _hash_own_shards(self, tmp: Path) -> dict[str, str]:
+        """sha256 of the shard files this rank wrote (DCP names them `__<rank>_<n>.distcp`), gathered
+        on rank 0: each rank hashes its own, so hashing costs one rank's shards, not the checkpoint."""
+        if self._group is None:
+            return {}
+        rank = dist.get_rank(self._group)
+        own = sorted(f.name for f in tmp.glob(f"__{rank}_*.distcp"))
+        mine = hash_files(tmp, own)
+        everyone: Optional[list[Optional[dict[str, str]]]] = [None] * dist.get_world_size(self._group) \
+            if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=dist.get_global_rank(self._group, 0), group=self._group)
+        return {} if everyone is None else {k: v for part in everyone for k, v in (part or {}).items()}
 
     def _prune(self) -> None:
         if self.keep_last <= 0:
@@ -213,25 +174,23 @@ class CheckpointManager:
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
-    """Verify, then load model (and optimizer) state in place; return the trainer state."""
+    """Verify (sizes and sha256 of every file, the split of the hashing shared by the ranks), then load
+    model (and optimizer) state in place; return the trainer state. A collective under several processes."""
     step_dir = resolve_checkpoint(path)
-    verify_checkpoint(step_dir)
+    manifest = verify_checkpoint(step_dir, split_over_ranks=True)
+    trainer_state = _read_trainer_state(step_dir, manifest)
     # --- issue 4: model-only checkpoints (converted from Hugging Face) hold weights and no optimizer
     # state; loading one restores the weights and leaves the optimizer fresh.
-    trainer_state = torch.load(step_dir / TRAINER_STATE, weights_only=False)
     if trainer_state.get("model_only"):
         optimizer = None
     # ----------------------------------------------------------------------------------------------
-    options = NESTED if optimizer is not None and _nested_optimizer_state(step_dir) else OPTIONS
+    metadata = read_dcp_metadata(step_dir, manifest)
+    # older checkpoints keep the optimizer's param_groups as a nested list, whose first group has the
+    # key `optimizer.param_groups.0.params` (flattened keys are `...<name>.<setting>`)
+    nested = "optimizer.param_groups.0.params" in metadata.state_dict_metadata
+    options = NESTED if optimizer is not None and nested else OPTIONS
     state = model_optimizer_state(model, optimizer, options)
-    try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(step_dir))
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(step_dir)!r} does not match this model: {first}") from None
+    load_dcp(state, step_dir, metadata)
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
@@ -240,15 +199,35 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     return trainer_state
 
 
-def _nested_optimizer_state(step_dir: Path) -> bool:
-    """Whether the checkpoint keeps the optimizer's param_groups as a nested list (the older form), whose
-    first group has the key `optimizer.param_groups.0.params` (flattened keys are `...<name>.<setting>`)."""
-    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    return "optimizer.param_groups.0.params" in keys
+def _read_trainer_state(step_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The trainer state in the format the manifest lists (the pickle-free one, or an old trainer_state.pt)."""
+    if STATE_JSON in manifest["files"]:
+        require_listed(step_dir, manifest, STATE_TENSORS)
+        return read_trainer_state(step_dir)
+    if LEGACY_STATE in manifest["files"]:
+        return read_legacy_state(step_dir)
+    raise CheckpointError(f"checkpoint {str(step_dir)!r} has no trainer state ({STATE_JSON} is not in its {MANIFEST})")
+
+
+@contextmanager
+def trainer_state_errors(path: str | Path) -> Iterator[None]:
+    """Around a trainer applying a loaded trainer state: a missing field or a value of the wrong type
+    or shape (a hand-edited trainer_state.json) becomes one CheckpointError line."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise CheckpointError(f"checkpoint {str(path)!r}: its trainer state does not fit this trainer ({what})") from None
 
 
 def read_checkpoint_config(path: str | Path) -> str:
-    """The YAML text of the config saved with a checkpoint."""
+    """The YAML text of the config saved with a checkpoint (its size and sha256 checked)."""
     step_dir = resolve_checkpoint(path)
-    verify_checkpoint(step_dir)
-    return (step_dir / "config.yaml").read_text()
+    manifest = verify_checkpoint(step_dir, only=[CONFIG])
+    require_listed(step_dir, manifest, CONFIG)
+    try:
+        return (step_dir / CONFIG).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r}: {CONFIG} is unreadable ({e})") from None

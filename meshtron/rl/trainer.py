@@ -33,7 +33,7 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshtron.checkpoint import CheckpointManager, load_checkpoint
+from meshtron.checkpoint import CheckpointManager, load_checkpoint, trainer_state_errors
 from meshtron.config.fields import ConfigError
 from meshtron.config.loader import config_to_dict, save_config
 from meshtron.config.schema import RunConfig, SchedulerConfig
@@ -336,17 +336,18 @@ class GRPOTrainer:
         state = load_checkpoint(path, self.train_model, self.optimizer)
         if state.get("model_only"):
             return
-        self.step, self.optimizer_steps = int(state["step"]), int(state["optimizer_steps"])
-        self.consumed_prompts, self.warmup_done = int(state["consumed_prompts"]), bool(state["warmup_done"])
-        if state.get("ref_model") is not None:
-            self.ref_model = self._frozen_copy()
-            with torch.no_grad():
-                for name, target in self.ref_model.state_dict().items():
-                    value = state["ref_model"][name].to(self.device)
-                    if isinstance(target, DTensor):
-                        value = distribute_tensor(value, target.device_mesh, target.placements)
-                    target.copy_(value)
-        set_rng_state(state["rng"])
+        with trainer_state_errors(path):  # a hand-edited trainer_state.json is one line, not a traceback
+            self.step, self.optimizer_steps = int(state["step"]), int(state["optimizer_steps"])
+            self.consumed_prompts, self.warmup_done = int(state["consumed_prompts"]), bool(state["warmup_done"])
+            if state.get("ref_model") is not None:
+                self.ref_model = self._frozen_copy()
+                with torch.no_grad():
+                    for name, target in self.ref_model.state_dict().items():
+                        value = state["ref_model"][name].to(self.device)
+                        if isinstance(target, DTensor):
+                            value = distribute_tensor(value, target.device_mesh, target.placements)
+                        target.copy_(value)
+            set_rng_state(state["rng"])
 
     def _frozen_copy(self) -> torch.nn.Module:
         """A frozen copy of the trained weights (under pp: of this rank's stages, kept in ref_parts)."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from meshtron.checkpoint import CheckpointManager, load_checkpoint
+from meshtron.checkpoint import CheckpointManager, load_checkpoint, trainer_state_errors
 from meshtron.config.fields import ConfigError
 from meshtron.config.loader import config_to_dict, save_config
 from meshtron.config.schema import RunConfig
@@ -406,11 +406,12 @@ class Trainer:
         state = load_checkpoint(path, self.model, self.optimizer)
         if state.get("model_only"):  # issue 4: a converted (HF) checkpoint holds weights only; start at step 0
             return
-        self.step = int(state["step"])
-        self.loader.load_state_dict(state["data"])
-        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-        self.num_skipped = int(state.get("num_skipped", 0))
-        set_rng_state(state["rng"])
+        with trainer_state_errors(path):  # a hand-edited trainer_state.json is one line, not a traceback
+            self.step = int(state["step"])
+            self.loader.load_state_dict(state["data"])
+            self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+            self.num_skipped = int(state.get("num_skipped", 0))
+            set_rng_state(state["rng"])
 
     # ---- the loop ------------------------------------------------------------------------------
 

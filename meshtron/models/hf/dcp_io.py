@@ -1,14 +1,15 @@
 """Meshtron checkpoints written and read one tensor at a time, for conversion.
 
 Writing: the checkpoint layout and atomicity are `meshtron.checkpoint`'s (a temporary directory,
-DCP files, trainer_state.pt, config.yaml, the manifest last, rename, then `latest`). DCP plans a
+DCP files, the trainer state, config.yaml, the manifest with sha256s last, rename, then `latest`). DCP plans a
 save from the shapes alone, so the state dict given to it holds meta tensors, and a save planner
 produces each real tensor only when the writer asks for it (`resolve_data`). With one file per
 tensor the writer keeps no more than the tensor it is writing, so memory stays near the largest
 tensor instead of the model.
 
 Reading: DCP loads exactly the keys of the state dict it is given, so one `dcp.load` per tensor
-reads one tensor; the shapes come from the checkpoint's metadata.
+reads one tensor; the shapes come from the checkpoint's metadata, read and checked without pickle
+(meshtron.checkpoint.dcp_safe).
 """
 
 from __future__ import annotations
@@ -21,19 +22,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 # The checkpoint module's own layout helpers, so a converted checkpoint is the same kind of directory.
-from meshtron.checkpoint.manager import (
-    TRAINER_STATE,
-    _fsync_dir,
-    _single_process_quiet,
-    _write_manifest,
-    resolve_checkpoint,
-    step_dir_name,
-    verify_checkpoint,
-)
+from meshtron.checkpoint.dcp_safe import load_dcp, read_dcp_metadata, single_process_quiet
+from meshtron.checkpoint.layout import fsync_dir, resolve_checkpoint, step_dir_name, verify_checkpoint, write_manifest
+from meshtron.checkpoint.state_io import write_trainer_state
 
 MODEL_PREFIX = "model."
 
@@ -73,18 +68,18 @@ def write_model_checkpoint(save_dir: str | Path, step: int, shapes: dict[str, tu
         return tensor.contiguous()
 
     writer = FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1)
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.save(state, storage_writer=writer, planner=_ProducingPlanner(produce_flat))
-    torch.save(trainer_state, tmp / TRAINER_STATE)
+    write_trainer_state(tmp, trainer_state)
     (tmp / "config.yaml").write_text(config_yaml)
     for sub, fill in (extra_dirs or {}).items():
         (tmp / sub).mkdir(parents=True, exist_ok=True)
         fill(tmp / sub)
-    _write_manifest(tmp, step)
+    write_manifest(tmp, step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     latest_tmp = save_dir / "latest.tmp"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, save_dir / "latest")
@@ -96,16 +91,14 @@ class CheckpointTensors:
 
     def __init__(self, path: str | Path):
         self.step_dir = resolve_checkpoint(path)
-        verify_checkpoint(self.step_dir)
-        metadata = FileSystemReader(str(self.step_dir)).read_metadata()
+        self.metadata = read_dcp_metadata(self.step_dir, verify_checkpoint(self.step_dir))
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for key, meta in metadata.state_dict_metadata.items():
+        for key, meta in self.metadata.state_dict_metadata.items():
             if key.startswith(MODEL_PREFIX) and hasattr(meta, "size"):
                 self.shapes[key[len(MODEL_PREFIX):]] = (tuple(meta.size), meta.properties.dtype)
 
     def get(self, name: str) -> torch.Tensor:
         shape, dtype = self.shapes[name]
         state = {"model": {name: torch.empty(shape, dtype=dtype)}}
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(self.step_dir))
+        load_dcp(state, self.step_dir, self.metadata)
         return state["model"][name]

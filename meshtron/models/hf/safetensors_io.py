@@ -15,10 +15,12 @@ so at most one tensor is in memory. Shards follow the Hugging Face naming
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +49,7 @@ class SafetensorsDir:
         self.directory = Path(directory)
         index = self.directory / INDEX_FILE
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = _index_files(index)
         elif (self.directory / SINGLE_FILE).is_file():
             files = [SINGLE_FILE]
         else:
@@ -84,6 +86,25 @@ class SafetensorsDir:
         return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
+def _index_files(index: Path) -> list[str]:
+    """The shard files `model.safetensors.index.json` names; each must be a file name inside its directory."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise SafetensorsError(f"{str(index)!r} is not a readable index ({e})") from None
+    if not isinstance(weight_map, dict):
+        raise SafetensorsError(f"{str(index)!r} has no 'weight_map' object mapping tensor names to shard files")
+    directory = index.parent.resolve()
+    for name, file_name in weight_map.items():
+        # a relative path below the index's directory: no '..', no absolute path, no link leading out
+        if not isinstance(file_name, str) or not file_name or file_name.startswith("/") or "\\" in file_name \
+                or any(part in ("", ".", "..") for part in file_name.split("/")) \
+                or not (index.parent / file_name).resolve().is_relative_to(directory):
+            raise SafetensorsError(f"{str(index)!r}: weight_map puts {name!r} in {file_name!r}, which is not a "
+                                   "file inside the model directory")
+    return sorted(set(weight_map.values()))
+
+
 def _read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
     """{tensor: (dtype, shape, absolute begin, absolute end)} from a safetensors file's header."""
     size = path.stat().st_size
@@ -92,19 +113,38 @@ def _read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], in
         header_len = struct.unpack("<Q", raw)[0] if len(raw) == 8 else size
         if header_len > size - 8:
             raise SafetensorsError(f"{str(path)!r} is not a safetensors file (bad header length)")
-        header = json.loads(f.read(header_len))
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SafetensorsError(f"{str(path)!r} is not a safetensors file (header: {e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{str(path)!r} is not a safetensors file (the header is not a JSON object)")
     out = {}
     data_start = 8 + header_len
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        if info["dtype"] not in DTYPES_BY_NAME:
-            raise SafetensorsError(f"{str(path)!r}: tensor {key!r} has dtype {info['dtype']}, which meshtron does not read")
-        begin, end = info["data_offsets"]
-        if data_start + end > size:
-            raise SafetensorsError(f"{str(path)!r} is truncated: tensor {key!r} ends past the end of the file")
-        out[key] = (DTYPES_BY_NAME[info["dtype"]], tuple(info["shape"]), data_start + begin, data_start + end)
+        out[key] = _header_entry(path, key, info, data_start, size)
     return out
+
+
+def _header_entry(path: Path, key: str, info: Any, data_start: int, size: int) -> tuple:
+    """(dtype, shape, absolute begin, absolute end) of one header entry, its fields checked."""
+    if not isinstance(info, dict) or not isinstance(info.get("shape"), list) \
+            or not all(type(d) is int and d >= 0 for d in info["shape"]) \
+            or not isinstance(info.get("data_offsets"), list) or len(info["data_offsets"]) != 2 \
+            or not all(type(o) is int and o >= 0 for o in info["data_offsets"]):
+        raise SafetensorsError(f"{str(path)!r}: the header entry of tensor {key!r} is malformed")
+    if info.get("dtype") not in DTYPES_BY_NAME:
+        raise SafetensorsError(f"{str(path)!r}: tensor {key!r} has dtype {info.get('dtype')}, which meshtron does not read")
+    dtype, shape = DTYPES_BY_NAME[info["dtype"]], tuple(info["shape"])
+    begin, end = info["data_offsets"]
+    if data_start + end > size:
+        raise SafetensorsError(f"{str(path)!r} is truncated: tensor {key!r} ends past the end of the file")
+    if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+        raise SafetensorsError(f"{str(path)!r}: tensor {key!r} has {end - begin} bytes for shape {list(shape)} "
+                               f"{info['dtype']}")
+    return dtype, shape, data_start + begin, data_start + end
 
 
 @dataclass(frozen=True)
