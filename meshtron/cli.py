@@ -4,7 +4,8 @@
     meshtron distill --config C [--teacher.load DIR --distill.losses kl,hidden_cosine ...]
     meshtron grads compare RUN_A RUN_B [--step N]
     meshtron generate --checkpoint DIR --prompt "def " [--max-new-tokens --temperature --top-k --top-p --seed]
-    meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 engine options]
+    meshtron serve --checkpoint DIR [--host 127.0.0.1 --port 8000 --drain-timeout 30 --api-key KEY
+                   engine options, request limits]
     meshtron checkpoint upgrade PATH
     meshtron rl --config C [--section.field value ...]
     meshtron bench train [options]
@@ -21,6 +22,7 @@ from meshtron.config.fields import ConfigError
 from meshtron.config.loader import OneLineParser, add_config_arguments, overrides_from_args
 from meshtron.config.reference import Section
 from meshtron.inference.config import EngineConfig, add_engine_arguments
+from meshtron.inference.server_config import add_server_arguments
 
 # Documented in docs/config.md after the run sections: the flags of `meshtron serve` and `generate`.
 ENGINE_SECTION = Section("engine", EngineConfig, "the inference engine behind `meshtron serve` and `meshtron generate`; "
@@ -83,20 +85,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meshtron.inference.config import engine_config_from_args
     from meshtron.inference.engine import LLMEngine
     from meshtron.inference.server import serve
+    from meshtron.inference.server_auth import resolve_api_key
+    from meshtron.inference.server_config import server_config_from_args
     from meshtron.parallel.distributed import world_from_env
 
     engine_cfg = engine_config_from_args(args)
+    server_options = {"config": server_config_from_args(args), "api_key": resolve_api_key(args.api_key)}
     resolve_checkpoint(args.checkpoint)  # a wrong path fails here, in one line, before the server starts
     if world_from_env()[2] > 1:  # under torchrun: tensor parallel over every rank, served from rank 0
         from meshtron.inference.tp_serving import serve_tensor_parallel
 
         return serve_tensor_parallel(args.checkpoint, engine_cfg, model_name=args.model_name, host=args.host,
-                                     port=args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+                                     port=args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                                     **server_options)
 
     def factory() -> LLMEngine:
         return LLMEngine.from_checkpoint(args.checkpoint, engine_cfg, model_name=args.model_name)
 
-    return serve(factory, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    return serve(factory, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                 **server_options)
 
 
 def cmd_checkpoint_upgrade(args: argparse.Namespace) -> int:
@@ -167,7 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM, seconds in-flight requests get to finish (default 30)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn log level (default info)")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                          "MESHTRON_API_KEY environment variable; neither: no key)")
     add_engine_arguments(srv)
+    add_server_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")

@@ -34,8 +34,8 @@ from meshtron.inference.metrics import CONTENT_TYPE, ServerMetrics
 from meshtron.inference.protocol import ApiError
 from meshtron.inference.server_auth import BearerAuth
 from meshtron.inference.server_completions import install_completion_routes
+from meshtron.inference.server_config import ServerConfig
 from meshtron.inference.server_errors import EchoRequestId, install_error_handlers, unauthorized
-from meshtron.inference.server_limits import ServerConfig
 
 DRAIN_POLL_S = 0.05
 # How often the lifespan task looks at `engine.fatal_error`.

@@ -28,7 +28,8 @@ from meshtron.inference.protocol import (
     usage,
 )
 from meshtron.inference.request import Request as EngineRequest
-from meshtron.inference.server_limits import ServerConfig, check_chat, check_completion, read_body
+from meshtron.inference.server_config import ServerConfig
+from meshtron.inference.server_limits import check_chat, check_completion, read_body
 from meshtron.inference.server_streams import Run, client_closed, sse, stream_error
 
 if TYPE_CHECKING:

@@ -60,8 +60,9 @@ def follow(runner: ModelRunner, group=None) -> None:
 
 
 def serve_tensor_parallel(checkpoint: str, engine_cfg: EngineConfig, *, model_name, host: str, port: int,
-                          drain_timeout_s: float, log_level: str, timeout_s: float = 600.0) -> int:
-    """Under torchrun: build the TP mesh over all ranks, load the sharded model, serve from rank 0."""
+                          drain_timeout_s: float, log_level: str, timeout_s: float = 600.0, **server_options) -> int:
+    """Under torchrun: build the TP mesh over all ranks, load the sharded model, serve from rank 0
+    (`server_options`: `serve`'s config and api_key)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtron.inference.server import serve
@@ -84,7 +85,7 @@ def serve_tensor_parallel(checkpoint: str, engine_cfg: EngineConfig, *, model_na
             return lead(LLMEngine.from_checkpoint(checkpoint, engine_cfg, tp_mesh=mesh, model_name=model_name), leader)
 
         try:
-            return serve(factory, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level)
+            return serve(factory, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level, **server_options)
         finally:
             leader("stop")  # release the followers even if the engine never came up
     finally:

@@ -1,7 +1,8 @@
 """`meshtron serve` on 127.0.0.1 driven by the official `openai` client: completions, chat, streaming,
-usage and ids; 400s with messages for bad parameters; a disconnected stream frees its blocks; 200
-concurrent requests all complete; SIGTERM drains an in-flight stream and exits. Health states
-(loading / ready / failed) are checked in-process."""
+usage and ids; 400s with messages for bad parameters; the API key from MESHTRON_API_KEY and a limit
+flag reach the server; a disconnected stream frees its blocks; 200 concurrent requests all complete;
+SIGTERM drains an in-flight stream and exits. Health states (loading / ready / failed) are checked
+in-process."""
 
 from __future__ import annotations
 
@@ -22,16 +23,18 @@ from tests.inference.helpers import save_tiny_checkpoint, wait_ready
 
 openai = pytest.importorskip("openai")
 NUM_BLOCKS = 256
+KEY = "sk-serve-test"
+AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-run")
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MESHTRON_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "meshtron", "serve", "--checkpoint", ckpt, "--host", "127.0.0.1",
                              "--port", str(port), "--num-blocks", str(NUM_BLOCKS), "--block-size", "4",
-                             "--drain-timeout", "60", "--log-level", "warning"],
+                             "--drain-timeout", "60", "--log-level", "warning", "--max-stop", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -44,7 +47,7 @@ def server(tmp_path_factory):
 
 
 def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
 
 
 def test_models_and_completions(server):
@@ -86,21 +89,35 @@ def test_chat_and_streaming(server):
 
 def test_request_id_header_and_bad_request(server):
     url, _ = server
-    r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers={"x-request-id": "abc"})
-    assert r.status_code == 200 and r.json()["id"] == "abc" and r.headers["x-request-id"] == "abc"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2},
+                   headers={"x-request-id": "abc", **AUTH})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc"
+    assert r.json()["id"].startswith("cmpl-")  # the server's own id; the client's is only echoed
     with pytest.raises(openai.BadRequestError) as err:
         client(url).completions.create(model="tiny-run", prompt="a", max_tokens=0)
     assert "max_tokens" in str(err.value)
 
 
+def test_the_api_key_and_the_limit_flags_reach_the_server(server):
+    url, _ = server
+    assert httpx.get(url + "/health").status_code == 200
+    for path in ("/v1/models", "/metrics", "/docs"):
+        refused = httpx.get(url + path)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + path, headers=AUTH).status_code == 200
+    with pytest.raises(openai.BadRequestError) as err:
+        client(url).completions.create(model="tiny-run", prompt="a", max_tokens=2, stop=["x", "y", "z"])
+    assert "--max-stop" in str(err.value)
+
+
 def stats(url):
-    return httpx.get(url + "/v1/engine/stats", timeout=10).json()
+    return httpx.get(url + "/v1/engine/stats", headers=AUTH, timeout=10).json()
 
 
 def test_disconnected_stream_frees_its_blocks(server):
     url, _ = server
     body = {"prompt": "hello there", "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=30) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
@@ -119,7 +136,7 @@ def test_200_concurrent_requests_complete(server):
     url, _ = server
 
     async def main():
-        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         async def one(i):
             if i % 2:
                 return await c.completions.create(model="tiny-run", prompt=f"request {i}", max_tokens=4 + i % 5,
@@ -144,7 +161,7 @@ def test_sigterm_drains_in_flight_requests(server):
     received = []
 
     def consume():
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
             received.extend(line for line in r.iter_lines() if line.startswith("data:"))
 
     reader = threading.Thread(target=consume)

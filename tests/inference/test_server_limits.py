@@ -12,7 +12,7 @@ import time
 import pytest
 
 from meshtron.inference.server import build_app
-from meshtron.inference.server_limits import ServerConfig
+from meshtron.inference.server_config import ServerConfig
 from tests.inference.helpers import TOKENIZER, engine, tiny_model
 from tests.inference.server_helpers import GatedTokenizer, live_server
 
