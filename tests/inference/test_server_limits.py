@@ -126,3 +126,15 @@ def test_tokenizing_is_off_the_event_loop_and_a_huge_prompt_is_never_tokenized()
     assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == alone
     assert still_tokenizing
     assert big.status_code == 400 and "context length" in big.json()["error"]["message"]
+
+
+def test_every_limit_is_documented_with_its_flag_and_default():
+    import dataclasses
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    for f in dataclasses.fields(ServerConfig):
+        row = next((line for line in doc.splitlines() if line.startswith(f"| `--{f.name.replace('_', '-')}` |")), "")
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 3, f"docs/serving.md has no row for --{f.name}"
+        assert int(cells[1].split()[0].replace(",", "")) == f.default and cells[2] == f.metadata["help"], row
