@@ -168,7 +168,7 @@ class LLMEngine:
             raise InvalidRequestError(request.req_id, "request_id", "a request with this id is already running")
         seed = request.sampling_params.seed
         seed = seed if seed is not None else self._rng.getrandbits(63)
-        self.runner.add_request(request.req_id, request.sampling_params, seed)  # raises before registering
+        self.runner.add_request(request, seed)  # raises before registering
         self._seeds[request.req_id] = seed
         self._detokenizers[request.req_id] = Detokenizer(self.tokenizer, request.sampling_params.stop)
         self.scheduler.add_request(request)
@@ -478,14 +478,14 @@ class LLMEngine:
             for request, state in self._suspended:
                 if request.is_finished:  # aborted while suspended
                     continue
-                self.runner.add_request(request.req_id, request.sampling_params, self._seeds[request.req_id], state)
+                self.runner.add_request(request, self._seeds[request.req_id], state)
                 if request.status == RequestStatus.RUNNING:
                     request.status = RequestStatus.PREEMPTED
                 self.scheduler.waiting.append(request)
             for request in later:
                 self.scheduler.waiting.append(request)
                 if request.req_id not in self.runner.generators:
-                    self.runner.add_request(request.req_id, request.sampling_params, self._seeds[request.req_id])
+                    self.runner.add_request(request, self._seeds[request.req_id])
             self._suspended = None
         self._wake.set()
 

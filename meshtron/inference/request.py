@@ -75,8 +75,18 @@ class SamplingParams:
     # 'raw': log probs of the model's distribution (OpenAI's convention); 'processed': of the
     # distribution actually sampled from (after temperature, top-k/p, min-p), as RL needs them
     logprobs_mode: str = "raw"
+    # Penalties as vLLM defines them: presence/frequency subtract from the logit of every token
+    # already generated (once, or once per occurrence); repetition divides a positive logit (and
+    # multiplies a negative one) of every token seen in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # eos and stop token ids are masked until this many tokens were generated
 
     MAX_TOP_LOG_PROBS = 20
+    MAX_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as the OpenAI API
+    MAX_LOGIT_BIAS = 100.0  # biases in [-100, 100], as the OpenAI API
     # Below this a temperature is refused (0 is greedy): sampling there is the argmax in all but name,
     # and far smaller values break the fp32 softmax (1e-300 is 0 in fp32: x / 0 gives inf and NaN).
     MIN_TEMPERATURE = 1e-3
@@ -86,6 +96,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self, req_id: str, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -108,6 +122,7 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         need(not bad, "stop_token_ids", f"{bad[:4]} outside the vocabulary [0, {vocab_size})")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        self._validate_processors(need, vocab_size)
         low, high = self.SEED_RANGE
         need(self.seed is None or (_is_int(self.seed) and low <= self.seed <= high), "seed",
              f"{self.seed!r} is not allowed; must be an integer in [{low}, {high}] (with n > 1, seed + n - 1 too)")
@@ -120,6 +135,22 @@ class SamplingParams:
         need(_is_int(self.top_k) and self.top_k >= 0, "top_k",
              f"{self.top_k!r} is not allowed; must be an integer >= 0 (0 keeps all)")
         need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"{self.min_p!r} is not allowed; must be in [0, 1]")
+
+    def _validate_processors(self, need, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(_is_number(value) and abs(value) <= self.MAX_PENALTY, name,
+                 f"{value!r} is not allowed; must be in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}]")
+        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             f"{self.repetition_penalty!r} is not allowed; must be a finite number > 0 (1 is off)")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"{self.min_tokens!r} is not allowed; must be an integer in [0, max_tokens]")
+        need(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
+        for token, bias in self.logit_bias.items():
+            need(_is_int(token) and 0 <= token < vocab_size, "logit_bias",
+                 f"token id {token!r} is not in the vocabulary [0, {vocab_size})")
+            need(_is_number(bias) and abs(bias) <= self.MAX_LOGIT_BIAS, "logit_bias",
+                 f"bias {bias!r} for token {token} is not allowed; must be in [-100, 100]")
 
 
 def _is_int(value) -> bool:

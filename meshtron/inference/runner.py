@@ -18,7 +18,7 @@ from torch import nn
 from meshtron.inference.config import EngineConfig
 from meshtron.inference.mamba_state import MambaInferenceStateConfig, MambaStateCache
 from meshtron.inference.paged_context import PagedKVCache, build_paged_batch
-from meshtron.inference.request import SamplingParams
+from meshtron.inference.request import Request, SamplingParams
 from meshtron.inference.sampler import sample_rows
 from meshtron.inference.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from meshtron.inference.varlen_context import build_varlen_batch
@@ -92,6 +92,7 @@ class ModelRunner:
         self.states = MambaStateCache(state_cfg, cfg.max_num_seqs, device) if state_cfg is not None else None
         self.generators: dict[str, torch.Generator] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.requests: dict[str, Request] = {}
         self.cost_weights = cost_weights(model)
         self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
         self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled or native
@@ -110,13 +111,14 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner.create(self.model, self.cache, cfg)
 
-    def add_request(self, req_id: str, params: SamplingParams, seed: int,
-                    generator_state: Optional[torch.Tensor] = None) -> None:
+    def add_request(self, request: Request, seed: int, generator_state: Optional[torch.Tensor] = None) -> None:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         if generator_state is not None:
             generator.set_state(generator_state)
-        self.generators[req_id], self.params[req_id] = generator, params
+        req_id = request.req_id
+        self.generators[req_id], self.params[req_id] = generator, request.sampling_params
+        self.requests[req_id] = request  # its tokens so far, for penalties and min_tokens
 
     def generator_state(self, req_id: str) -> torch.Tensor:
         return self.generators[req_id].get_state()
@@ -124,6 +126,7 @@ class ModelRunner:
     def remove_request(self, req_id: str) -> None:
         self.generators.pop(req_id, None)
         self.params.pop(req_id, None)
+        self.requests.pop(req_id, None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -133,7 +136,8 @@ class ModelRunner:
         logits, req_ids = self._forward(out.chunks)
         if not req_ids:
             return {}
-        return sample_rows(logits, [self.params[r] for r in req_ids], [self.generators[r] for r in req_ids], req_ids)
+        return sample_rows(logits, [self.params[r] for r in req_ids], [self.generators[r] for r in req_ids], req_ids,
+                           [self.requests[r] for r in req_ids])
 
     @torch.inference_mode()
     def forward_only(self, chunks: list[ScheduledChunk]) -> None:
@@ -171,5 +175,6 @@ class ModelRunner:
             self.graphs.release()
         self.generators.clear()
         self.params.clear()
+        self.requests.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

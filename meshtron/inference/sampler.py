@@ -1,20 +1,23 @@
 """Mixed-batch sampling: each row of the logits has its own SamplingParams and its own generator.
 
-Filters run row-wise on the whole batch (temperature, top-k, top-p, min-p), so a row's result does
-not depend on the rows beside it; the random draw uses the request's own `torch.Generator`, so a
-seeded request samples the same tokens whatever it is batched with. Greedy rows take the argmax.
-Log probabilities, when asked for, are those of the model's raw distribution (before temperature
-and filtering), as OpenAI reports them; with `logprobs_mode='processed'` those of the distribution
-sampled from (after temperature and filtering; a greedy row keeps the raw ones).
+Order, as vLLM and transformers apply them: logit bias, min_tokens, penalties (these read the
+request's tokens), then temperature, top-k, top-p on what top-k kept (renormalised), min-p.
+Filters run row-wise on the whole batch, so a row's result does not depend on the rows beside it;
+the random draw uses the request's own `torch.Generator`, so a seeded request samples the same
+tokens whatever it is batched with. Greedy rows take the argmax of the processed logits.
+Log probabilities, when asked for, are those of the model's raw distribution (before any of the
+above), as OpenAI reports them; with `logprobs_mode='processed'` those of the distribution sampled
+from (after temperature and filtering; a greedy row keeps the raw ones).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
-from meshtron.inference.request import SamplingParams, TokenLogProbs
+from meshtron.inference.request import Request, SamplingParams, TokenLogProbs
 from meshtron.inference.scheduler import SampledToken
 
 
@@ -27,7 +30,7 @@ def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     drop_sorted = rank >= top_k[:, None]
-    probs = sorted_logits.softmax(-1)
+    probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)  # what top-k kept, renormalised
     # top-p: drop a token when the tokens ranked above it already hold top_p of the mass
     drop_sorted |= (probs.cumsum(-1) - probs > top_p[:, None]) & (top_p < 1)[:, None]
     drop_sorted |= probs < min_p[:, None] * probs[:, :1]
@@ -36,19 +39,56 @@ def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return logits.masked_fill(drop, float("-inf"))
 
 
+def process_rows(logits: torch.Tensor, params: list[SamplingParams],
+                 requests: Sequence[Optional[Request]]) -> torch.Tensor:
+    """logits (rows, vocab) fp32 -> a copy with logit bias, min_tokens and penalties applied (the
+    same tensor when no row asks for any)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties or p.min_tokens]
+    if not rows:
+        return logits
+    logits, vocab = logits.clone(), logits.shape[-1]
+    for i in rows:  # a loop over the rows that ask: penalties need each request's own token counts
+        p, request, row = params[i], requests[i], logits[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        if request is None:
+            continue
+        if request.num_output_tokens < p.min_tokens:
+            stops = [*p.stop_token_ids, *([] if request.eos_token_id is None else [request.eos_token_id])]
+            row[torch.tensor(stops, dtype=torch.long, device=logits.device)] = float("-inf")
+        if p.has_penalties:
+            _penalise(row, p, request, vocab)
+    return logits
+
+
+def _penalise(row: torch.Tensor, p: SamplingParams, request: Request, vocab: int) -> None:
+    """vLLM's definitions, in place on one row of logits."""
+    output = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(request.prompt_token_ids, dtype=torch.long, device=row.device)] = True
+        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, penalised, row))
+    row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-                req_ids: list[str]) -> dict[str, SampledToken]:
+                req_ids: list[str], requests: Optional[Sequence[Optional[Request]]] = None) -> dict[str, SampledToken]:
     """logits (rows, vocab) of each sampling request's last token -> req_id -> sampled token.
+    `requests` (the requests' tokens so far) are needed for penalties and min_tokens.
     A row that cannot be sampled (NaN or +inf logits, no probability mass left) gets an error
     instead of a token; the other rows are sampled exactly as they would be without it."""
-    logits = logits.float()
+    raw = logits.float()
+    logits = process_rows(raw, params, requests if requests is not None else [None] * len(params))
     errors: list[Optional[str]] = [None] * len(params)
     bad_logits = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
     for i in bad_logits.nonzero()[:, 0].tolist():  # one host sync per step; empty unless something broke
         errors[i] = "the model produced non-finite logits for this request; it was not sampled"
     token_ids = logits.argmax(-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy and errors[i] is None]
-    log_prob_logits = logits
+    log_prob_logits = raw
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
@@ -64,7 +104,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         processed = [j for j, i in enumerate(random_rows) if params[i].return_log_probs
                      and params[i].logprobs_mode == "processed"]
         if processed:
-            log_prob_logits = logits.clone()
+            log_prob_logits = raw.clone()
             log_prob_logits[index[processed]] = scaled[processed]
     log_probs = _log_probs(log_prob_logits, token_ids, params)
     ids = token_ids.tolist()
