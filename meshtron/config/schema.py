@@ -251,6 +251,10 @@ def _is_number(text: str) -> bool:
     return True
 
 
+# `checkpoint.load: auto`: resume from the save directory when it holds a checkpoint, else start fresh
+AUTO_LOAD = "auto"
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Saving and resuming (torch.distributed.checkpoint)."""
@@ -258,13 +262,18 @@ class CheckpointConfig:
     save: Optional[str] = option(None, "Directory for checkpoints; null means <run_dir>/checkpoints")
     save_interval: int = option(0, "Save every N steps (0: only at the end)")
     save_at_end: bool = option(True, "Save when training finishes")
-    load: Optional[str] = option(None, "Resume from this checkpoint directory (a step dir or its parent with 'latest')")
+    load: Optional[str] = option(None, "Resume from this checkpoint directory (a step dir or its parent with 'latest'); "
+                                       "auto: from the save directory if it holds one, else start fresh (for restarts)")
     keep_last: int = option(3, "Keep only the newest N checkpoints (0 keeps all)")
     async_save: bool = option(False, "Write checkpoints in a background thread")
 
     def validate(self) -> None:
         check(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval, "must be >= 0")
         check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be >= 0")
+        if self.load == AUTO_LOAD:
+            check(self.save_interval > 0 or self.save_at_end, "checkpoint.load", self.load,
+                  "auto resumes from checkpoints this run saves, but save_interval is 0 and save_at_end false: "
+                  "set checkpoint.save_interval")
 
 
 @dataclass(kw_only=True)

@@ -50,6 +50,7 @@ from meshtron.rl.rollout import EvaluationAgent, GroupedRollouts, PassAtKEvaluat
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
+from meshtron.training.resume import resolve_load, save_dir
 from meshtron.training.trainer import resolve_device, rng_state, seed_everything, set_rng_state
 
 CURVE_FIELDS = ("step", "reward_mean", "reward_std", "greedy_success", "pass_at_k")
@@ -104,11 +105,11 @@ class GRPOTrainer:
         self.warmup_done = rl.warmup_steps == 0
         self.train_problems = self.env.get_dataset("train", cfg.env.train_size, seed=t.seed)
         self.eval_problems = self.env.get_dataset("eval", rl.eval_problems, seed=t.seed)
-        self.checkpoints = CheckpointManager(cfg.checkpoint.save or self.run_dir / "checkpoints",
-                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+        self.checkpoints = CheckpointManager(save_dir(cfg), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                              timeout_s=cfg.parallel.timeout_s)
-        if cfg.checkpoint.load:
-            self.load(cfg.checkpoint.load)
+        load = resolve_load(cfg, self.device)  # checkpoint.load, or what `auto` found in the save directory
+        if load is not None:
+            self.load(load)
         self.history: list[dict[str, Any]] = []
 
     def _setup_distributed(self) -> None:

@@ -24,7 +24,7 @@ import yaml
 from meshtron.checkpoint import CheckpointManager, load_checkpoint, trainer_state_errors
 from meshtron.config.fields import ConfigError
 from meshtron.config.loader import config_to_dict, save_config
-from meshtron.config.schema import RunConfig
+from meshtron.config.schema import AUTO_LOAD, RunConfig
 from meshtron.data.build import build_datasets
 from meshtron.data.loader import BatchLoader, fixed_batches
 from meshtron.data.tokenizer import build_tokenizer
@@ -45,6 +45,7 @@ from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
 from meshtron.training.profiling import Ranges, StepProfiler
+from meshtron.training.resume import resolve_load, save_dir
 from meshtron.training.timers import Timers
 
 
@@ -119,12 +120,12 @@ class Trainer:
         self.num_skipped = 0
         self.history: list[StepResult] = []
         self.watchdog: Optional[Watchdog] = None
-        self.checkpoints = CheckpointManager(cfg.checkpoint.save or self.run_dir / "checkpoints",
-                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+        self.checkpoints = CheckpointManager(save_dir(cfg), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                              timeout_s=cfg.parallel.timeout_s)
-        if cfg.checkpoint.load:
+        self.resumed_from = resolve_load(cfg, self.device)  # checkpoint.load, or what `auto` found (None: fresh)
+        if self.resumed_from is not None:
             with self.timers.startup_phase("checkpoint_load"):
-                self.load(cfg.checkpoint.load)
+                self.load(self.resumed_from)
         with self.timers.startup_phase("peak_flops"):
             self.peak_flops = t.peak_flops or measure_matmul_flops(
                 self.device, torch.bfloat16 if (t.precision == "bf16" and self.device.type == "cuda") else torch.float32)
@@ -464,6 +465,10 @@ class Trainer:
         if d.world_size > 1:
             logger.message(f"parallel: world {d.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x "
                            f"dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}")
+        if self.resumed_from is not None:
+            logger.message(f"checkpoint: resumed from {self.resumed_from} at step {self.step}")
+        elif cfg.checkpoint.load == AUTO_LOAD:
+            logger.message(f"checkpoint: load auto found no checkpoint in {save_dir(cfg)}; starting fresh")
         startup = " | ".join(f"{k} {v:.2f}s" for k, v in self.timers.startup.items())
         logger.message(f"startup: {startup} | peak {self.peak_flops / 1e9:.1f} GFLOP/s")
         logger.log(self.step, {f"startup_{k}_s": v for k, v in self.timers.startup.items()}, kind="startup", echo=False)
