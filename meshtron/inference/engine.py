@@ -215,6 +215,8 @@ class LLMEngine:
             except Exception as e:  # fail this step's requests, keep serving the others
                 return self._emit([self._fail(c.req_id, f"the forward failed: {type(e).__name__}: {e}")
                                    for c in sched.chunks])
+            for req_id, scored in self.runner.prompt_log_probs.items():
+                self.scheduler.requests[req_id].prompt_log_probs.extend(scored)
             # a row that could not be sampled (non-finite logits) fails alone, before its token is applied
             failed = [self._fail(req_id, token.error) for req_id, token in sampled.items() if token.error]
             changed = self.scheduler.update_from_output(sched, sampled)

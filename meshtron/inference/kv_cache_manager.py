@@ -10,6 +10,7 @@ computing them. Only full blocks are ever shared, and shared blocks are never wr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 from meshtron.inference.block_pool import BlockPool, hash_block
 from meshtron.inference.request import Request
@@ -41,15 +42,16 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: Request, max_tokens: Optional[int] = None) -> tuple[list[int], int]:
         """Cached blocks that hold the request's leading tokens -> (block ids, tokens they cover).
 
         The last token is never taken from the cache: the step must compute it to get the logits
-        that sample the next token.
+        that sample the next token. `max_tokens` caps the hit further (tokens whose logits are needed).
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = min(request.num_tokens - 1, request.num_tokens if max_tokens is None else max_tokens) \
+            // self.block_size
         hits = []
         for block_hash in self._hashes(request)[:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)

@@ -28,6 +28,8 @@ class RequestOutput:
     log_probs: list[TokenLogProbs] = field(default_factory=list)
     new_log_probs: list[TokenLogProbs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_log_probs: Optional[list[Optional[TokenLogProbs]]] = None
     error: Optional[str] = None
     events: list[RequestEvent] = field(default_factory=list)
     arrival_time: float = 0.0
@@ -85,6 +87,8 @@ class Detokenizer:
             text=text, new_text=text[self.num_sent_chars:], finished=finished, finish_reason=request.finish_reason,
             log_probs=list(request.log_probs), new_log_probs=request.log_probs[self.num_sent_log_probs:],
             num_cached_tokens=request.num_cached_tokens, error=request.error,
+            prompt_log_probs=([None, *request.prompt_log_probs]
+                              if request.sampling_params.prompt_logprobs is not None else None),
             events=list(request.events) if finished else [], arrival_time=request.arrival_time,
             first_token_time=self.first_token_time, finish_time=now if finished else None)
         self.num_sent_chars, self.num_sent_tokens = len(text), request.num_output_tokens

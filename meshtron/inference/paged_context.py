@@ -110,6 +110,7 @@ class PagedBatch:
     ctx: PagedContext
     sample_index: torch.Tensor  # (num_sampling,) flat index into rows * q of each sampled sequence's last token
     sample_req_ids: list[str]
+    token_index: list[np.ndarray] = field(default_factory=list)  # per chunk: flat index of each of its tokens
 
 
 def _segments(i: int, c: ScheduledChunk, bs: int, max_len: Optional[int]) -> list[tuple]:
@@ -154,6 +155,7 @@ def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout:
     key_positions = np.zeros((rows, num_kb * bs), dtype=np.int64)
     key_seq = np.full((rows, num_kb * bs), -1, dtype=np.int64)
     sample_index, sample_req_ids = [], []
+    token_index: list[list[np.ndarray]] = [[] for _ in chunks]
     for r, group in enumerate(groups):
         q_at = kb_at = 0
         for i, c, q_pos, end, table, q_slots, token_ids, samples in group:
@@ -166,6 +168,7 @@ def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout:
             if samples:
                 sample_index.append(r * num_q + q_end - 1)
                 sample_req_ids.append(c.req_id)
+            token_index[i].append(np.arange(r * num_q + q_at, r * num_q + q_end))
             q_at, kb_at = q_end, kb_end
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -173,4 +176,5 @@ def build_paged_batch(chunks: list[ScheduledChunk], cache: PagedKVCache, layout:
 
     ctx = PagedContext(positions=t(positions), write_slots=t(write_slots.reshape(-1)), key_blocks=t(key_blocks),
                        key_positions=t(key_positions), key_seq=t(key_seq), query_seq=t(query_seq), cache=cache)
-    return PagedBatch(t(tokens), ctx, t(np.asarray(sample_index, dtype=np.int64)), sample_req_ids)
+    return PagedBatch(t(tokens), ctx, t(np.asarray(sample_index, dtype=np.int64)), sample_req_ids,
+                      [np.concatenate(parts) for parts in token_index])

@@ -83,6 +83,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # eos and stop token ids are masked until this many tokens were generated
+    # vLLM's name: the log prob of every prompt token after the first and the k most likely tokens at
+    # its position, from the prefill forward (None: off). With it, max_tokens=0 scores without generating.
+    prompt_logprobs: Optional[int] = None
 
     MAX_TOP_LOG_PROBS = 20
     MAX_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as the OpenAI API
@@ -108,8 +111,9 @@ class SamplingParams:
                 raise InvalidRequestError(req_id, param, message)
 
         need(num_prompt_tokens > 0, "prompt", "the prompt is empty; give at least one token")
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-             f"{self.max_tokens!r} is not allowed; must be an integer >= 1")
+        scoring = self.prompt_logprobs is not None
+        need(_is_int(self.max_tokens) and self.max_tokens >= (0 if scoring else 1), "max_tokens",
+             f"{self.max_tokens!r} is not allowed; must be an integer >= 1 (0 only with prompt_logprobs)")
         need(num_prompt_tokens + self.max_tokens <= max_model_len, "max_tokens",
              f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({self.max_tokens}) exceeds the context "
              f"length {max_model_len}; shorten the prompt or lower max_tokens")
@@ -118,6 +122,9 @@ class SamplingParams:
              f"{self.logprobs_mode!r} is not allowed; choose raw or processed")
         need(_is_int(self.top_log_probs) and 0 <= self.top_log_probs <= self.MAX_TOP_LOG_PROBS, "top_log_probs",
              f"{self.top_log_probs!r} is not allowed; must be an integer in [0, {self.MAX_TOP_LOG_PROBS}]")
+        need(not scoring or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_TOP_LOG_PROBS),
+             "prompt_logprobs", f"{self.prompt_logprobs!r} is not allowed; must be an integer in "
+             f"[0, {self.MAX_TOP_LOG_PROBS}] (the alternatives per position) or None")
         need(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "token ids must be integers")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         need(not bad, "stop_token_ids", f"{bad[:4]} outside the vocabulary [0, {vocab_size})")
@@ -188,6 +195,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
     num_preemptions: int = 0
     log_probs: list[TokenLogProbs] = field(default_factory=list)
+    prompt_log_probs: list[TokenLogProbs] = field(default_factory=list)  # prompt positions 1, 2, ... so far
     events: list[RequestEvent] = field(default_factory=list)
     error: Optional[str] = None
 

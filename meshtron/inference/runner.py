@@ -17,8 +17,8 @@ from torch import nn
 
 from meshtron.inference.config import EngineConfig
 from meshtron.inference.mamba_state import MambaInferenceStateConfig, MambaStateCache
-from meshtron.inference.paged_context import PagedKVCache, build_paged_batch
-from meshtron.inference.request import Request, SamplingParams
+from meshtron.inference.paged_context import PagedBatch, PagedKVCache, build_paged_batch
+from meshtron.inference.request import Request, SamplingParams, TokenLogProbs
 from meshtron.inference.sampler import sample_rows
 from meshtron.inference.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from meshtron.inference.varlen_context import build_varlen_batch
@@ -93,6 +93,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.params: dict[str, SamplingParams] = {}
         self.requests: dict[str, Request] = {}
+        self.prompt_log_probs: dict[str, list[TokenLogProbs]] = {}  # the last forward's, by request
         self.cost_weights = cost_weights(model)
         self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
         self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled or native
@@ -146,25 +147,60 @@ class ModelRunner:
             self._forward(chunks)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[str]]:
-        """-> logits (num_sampling, vocab) and the request id of each row."""
+        """-> logits (num_sampling, vocab) and the request id of each row; the prompt log probs the
+        step's chunks asked for are left in `prompt_log_probs` (req_id -> positions in order)."""
+        self.prompt_log_probs = {}
+        scoring = [c for c in chunks if self._prompt_positions(c) is not None]
+        if scoring:  # every token's logits are needed, not only the sampled rows': no graph
+            logits, req_ids, batch = self._eager_forward(chunks)
+            self.prompt_log_probs = self._score(scoring, logits, {c.req_id: i for i, c in enumerate(chunks)}, batch)
+            return logits[batch.sample_index], req_ids
         if self.graphs is not None:
             result = self.graphs.run(chunks)
             if result is not None:
                 self.num_forwards["graph"] += 1
                 return result
+        logits, req_ids, batch = self._eager_forward(chunks)
+        return logits[batch.sample_index], req_ids
+
+    def _eager_forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[str], PagedBatch]:
+        """-> the logits of every token (rows * q, vocab), the sampled rows' request ids, the batch."""
         if self.cfg.layout == "varlen":
             self.num_forwards["varlen"] += 1
             batch = build_varlen_batch(chunks, self.cache, self.states, self.decode_attention)
-            logits = self.model(batch.tokens, batch.ctx)
-            return logits[0, batch.sample_index], batch.sample_req_ids
-        if self.cfg.layout == "auto":
-            layout, segment_len = choose_layout(chunks, self.cost_weights)
-        else:  # 'padded' is one row per sequence
-            layout, segment_len = ("packed", None) if self.cfg.layout == "packed" else ("rows", None)
-        self.num_forwards[layout] += 1
-        batch = build_paged_batch(chunks, self.cache, layout, segment_len)
+        else:
+            if self.cfg.layout == "auto":
+                layout, segment_len = choose_layout(chunks, self.cost_weights)
+            else:  # 'padded' is one row per sequence
+                layout, segment_len = ("packed", None) if self.cfg.layout == "packed" else ("rows", None)
+            self.num_forwards[layout] += 1
+            batch = build_paged_batch(chunks, self.cache, layout, segment_len)
         logits = self.model(batch.tokens, batch.ctx)  # (rows, q, vocab)
-        return logits.reshape(-1, logits.shape[-1])[batch.sample_index], batch.sample_req_ids
+        return logits.reshape(-1, logits.shape[-1]), batch.sample_req_ids, batch
+
+    def _prompt_positions(self, chunk: ScheduledChunk) -> Optional[tuple[int, int]]:
+        """The prompt positions [first, last] whose log probs this chunk's logits give and the request
+        still lacks (logits at position p score the token at p + 1); None when there are none."""
+        request = self.requests.get(chunk.req_id)
+        if request is None or request.sampling_params.prompt_logprobs is None:
+            return None
+        first = max(len(request.prompt_log_probs) + 1, chunk.start_pos + 1)
+        last = min(request.num_prompt_tokens - 1, chunk.start_pos + len(chunk.token_ids))
+        return (first, last) if first <= last else None
+
+    def _score(self, chunks: list[ScheduledChunk], logits: torch.Tensor, order: dict[str, int],
+               batch: PagedBatch) -> dict[str, list[TokenLogProbs]]:
+        scores = {}
+        for chunk in chunks:
+            first, last = self._prompt_positions(chunk)
+            request, k = self.requests[chunk.req_id], self.requests[chunk.req_id].sampling_params.prompt_logprobs
+            index = batch.token_index[order[chunk.req_id]][first - 1 - chunk.start_pos: last - chunk.start_pos]
+            log_probs = logits[torch.from_numpy(index).to(logits.device)].float().log_softmax(-1)
+            targets = request.prompt_token_ids[first:last + 1]
+            chosen = log_probs.gather(-1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+            top = [list(zip(i.tolist(), v.tolist())) for v, i in zip(*log_probs.topk(k, dim=-1))] if k else None
+            scores[chunk.req_id] = [TokenLogProbs(t, c, top[j] if top else []) for j, (t, c) in enumerate(zip(targets, chosen))]
+        return scores
 
     def release(self) -> None:
         """Free the cache tensors, captured graphs and generators (suspend)."""

@@ -58,6 +58,14 @@ class SampledToken:
     error: Optional[str] = None  # the row could not be sampled: its request fails alone, nothing is appended
 
 
+def _max_cached(request: Request) -> Optional[int]:
+    """A request that wants prompt log probs takes from the prefix cache only the tokens whose log
+    probs it already has (after a preemption); the rest are computed so their logits exist."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    return len(request.prompt_log_probs)
+
+
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager, state_slots: Optional[StateSlotPool] = None):
         """state_slots: for models with Mamba layers, one recurrent-state slot per running request."""
@@ -102,7 +110,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
-            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            hit_ids, num_hit = self.kv.get_computed_blocks(request, _max_cached(request))
             num_new = request.num_tokens - num_hit
             if num_new > budget:
                 if not self.cfg.enable_chunked_prefill:
@@ -157,6 +165,10 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             self.kv.cache_blocks(request)
             if not chunk.samples:
+                continue
+            if request.sampling_params.max_tokens == 0:  # scoring only: the prompt's log probs are all it wanted
+                self.finish_request(request.req_id, RequestStatus.FINISHED_LENGTH)
+                changed.append(request)
                 continue
             token = sampled[chunk.req_id]
             request.output_token_ids.append(token.token_id)

@@ -198,5 +198,6 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
     mamba = MambaStepGroups.build(chunks, starts, states) if states is not None else None
     ctx = VarlenPagedContext(positions=t(positions)[None], write_slots=t(slots), groups=groups, cache=cache,
                              mamba=mamba, decode_attention=decode_attention)
+    token_index = [np.arange(at, at + len(c.token_ids)) for at, c in zip(starts, chunks)]
     return PagedBatch(t(tokens)[None], ctx, torch.tensor(sample_index, dtype=torch.long, device=device),
-                      sample_req_ids)
+                      sample_req_ids, token_index)
