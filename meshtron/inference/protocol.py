@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Annotated, Any, ClassVar, Optional
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, field_validator
 
+from meshtron.inference.chat_template import message_text
 from meshtron.inference.outputs import RequestOutput
 from meshtron.inference.request import SamplingParams, TokenLogProbs
 
@@ -231,7 +232,7 @@ class CompletionRequest(_Common):
                                    f"prompt[{i}][{j}]")
         return value
 
-    def prompts(self) -> list[Any]:
+    def prompts(self) -> list[Union[str, list[int]]]:
         """Each prompt: a string or a list of token ids."""
         p = self.prompt
         if isinstance(p, str) or (p and _is_token_id(p[0])):
@@ -258,8 +259,6 @@ class ChatCompletionRequest(_Common):
         """Content given as parts becomes the joined text of its text parts; any other part is refused."""
         if not isinstance(value, list):
             return value
-        from meshtron.inference.chat_template import message_text
-
         out = []
         for i, message in enumerate(value):
             content = message.get("content") if isinstance(message, dict) else None
@@ -280,6 +279,22 @@ class ChatCompletionRequest(_Common):
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: logprobs must be true when top_logprobs is given", "top_logprobs")
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
+    """The `requestBody` of a route's OpenAPI entry (the routes read their bodies themselves, strictly),
+    with the model's $defs inlined so /docs can show it."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 # ---- responses --------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from meshtron.inference.server_auth import BearerAuth
 from meshtron.inference.server_completions import install_completion_routes
 from meshtron.inference.server_config import ServerConfig
 from meshtron.inference.server_errors import EchoRequestId, install_error_handlers, unauthorized
+from meshtron.inference.server_streams import DISCONNECT_POLL_S, ClosingStreamingResponse  # noqa: F401 (public names)
 
 DRAIN_POLL_S = 0.05
 # How often the lifespan task looks at `engine.fatal_error`.
@@ -43,6 +44,13 @@ WATCH_POLL_S = 0.1
 # After the drain, the time uvicorn gives open connections to write their last bytes.
 FLUSH_TIMEOUT_S = 10.0
 logger = logging.getLogger("meshtron.server")
+
+
+class Unavailable(ApiError):
+    """503: the server is loading, draining or failed."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, kind="service_unavailable")
 
 
 @dataclass
@@ -57,8 +65,7 @@ class ServerState:
 
     def ready(self) -> LLMEngine:
         if self.status != "ready" or self.engine is None:
-            raise ApiError(503, f"the server is {self.status}" + (f": {self.error}" if self.error else ""),
-                           kind="service_unavailable")
+            raise Unavailable(f"the server is {self.status}" + (f": {self.error}" if self.error else ""))
         return self.engine
 
     async def offload(self, fn: Callable, *args: Any) -> Any:

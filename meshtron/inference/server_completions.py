@@ -24,6 +24,7 @@ from meshtron.inference.protocol import (
     completion_log_probs,
     envelope,
     finish_reason,
+    openapi_body,
     parse_body,
     usage,
 )
@@ -102,7 +103,7 @@ def log_request(request: Request, response_id: str) -> None:
 
 
 def install_completion_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         engine = state.ready()
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -124,7 +125,7 @@ def install_completion_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(envelope("text_completion", response_id, engine.model_name, choices,
                                      {"usage": usage(outputs, body.n)}), headers={"x-request-id": response_id})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat(request: Request):
         engine = state.ready()
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -237,3 +237,19 @@ def test_top_logprobs_needs_logprobs(ready_client):
     error = error_of(chat(ready_client, "a", top_logprobs=2), 400)
     assert error["param"] == "top_logprobs" and "logprobs must be true" in error["message"]
     assert chat(ready_client, "a", top_logprobs=2, logprobs=True).status_code == 200
+
+
+def test_log_probs_of_minus_infinity_are_reported_as_a_number(ready_client):
+    """With processed log probs and top_k=1 every alternative has log prob -inf, which JSON cannot
+    carry (it was a 500): it is reported as -9999.0, as OpenAI does."""
+    r = ready_client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0.7, "top_k": 1,
+                                                   "logprobs": 3, "logprobs_mode": "processed", "seed": 0})
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(v in (0.0, -9999.0) for top in tops for v in top.values()) and any(-9999.0 in t.values() for t in tops)
+
+
+def test_the_api_page_shows_the_request_bodies(ready_client):
+    spec = ready_client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "max_tokens", "stop_token_ids"} <= set(body["properties"]) and "$ref" not in str(body)
