@@ -10,6 +10,7 @@
     meshtron rl --config C [--section.field value ...]
     meshtron bench train [options]
     meshtron bench offload [options]
+    meshtron bench hostile [options]
 """
 
 from __future__ import annotations
@@ -137,6 +138,12 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
     return bench_main(_bench_argv(args))
 
 
+def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    from meshtron.bench.hostile import main as bench_main
+
+    return bench_main(_bench_argv(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="meshtron", description="Train, serve and post-train LLMs on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -204,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                               add_help=False)
     bo.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/offload.py")
     bo.set_defaults(func=cmd_bench_offload)
+    bh = bench_sub.add_parser("hostile", help="good clients' completions and p50/p99 latency with and without a "
+                              "hostile client", add_help=False)
+    bh.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of benchmarks/hostile_load.py")
+    bh.set_defaults(func=cmd_bench_hostile)
 
     from meshtron.api_check import register as register_check_api
     from meshtron.config.commands import register as register_config_commands
@@ -234,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["train"], ["mamba"], ["offload"]) and argv[2:3] != ["--"]:
+    if argv[:1] == ["bench"] and argv[1:2] in (["train"], ["mamba"], ["offload"], ["hostile"]) and argv[2:3] != ["--"]:
         # argparse's REMAINDER refuses a first item that looks like an option: hand the rest over as is.
         argv = [*argv[:2], "--", *argv[2:]]
     try:
