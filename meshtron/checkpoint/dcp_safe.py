@@ -98,6 +98,8 @@ def read_dcp_metadata(step_dir: Path, manifest: dict[str, Any]) -> Metadata:
         if not isinstance(info.relative_path, str) or info.relative_path not in manifest["files"]:
             raise _malformed(path, f"item {index.fqn!r} is stored in {info.relative_path!r}, which is not a file "
                              "listed in the checkpoint's manifest")
+        if getattr(info, "transform_descriptors", None):  # compression etc.: meshtron never writes them
+            raise _malformed(path, f"item {index.fqn!r} asks for storage transforms {info.transform_descriptors!r}")
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0 \
                 or info.offset + info.length > manifest["files"][info.relative_path]["size"]:
             raise _malformed(path, f"item {index.fqn!r} has a byte range outside {info.relative_path}")

@@ -191,11 +191,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     options = NESTED if optimizer is not None and nested else OPTIONS
     state = model_optimizer_state(model, optimizer, options)
     load_dcp(state, step_dir, metadata)
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)
+    try:
+        if optimizer is None:
+            set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=options)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:  # e.g. bytes where a tensor was
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(step_dir)!r} does not match this model: {first}") from None
     return trainer_state
 
 

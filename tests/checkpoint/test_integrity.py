@@ -142,6 +142,36 @@ def test_metadata_naming_a_file_outside_the_manifest_is_refused(ck):
     refused(ck, "which is not a file listed in the checkpoint's manifest")
 
 
+def test_metadata_asking_for_transforms_is_refused(ck):
+    from meshtron.checkpoint.dcp_safe import _MetadataUnpickler
+
+    step_dir = ck / step_dir_name(1)
+    path = step_dir / ".metadata"
+    metadata = _MetadataUnpickler(path.read_bytes(), path).load()
+    next(iter(metadata.storage_data.values())).transform_descriptors = ["zstd"]
+    path.write_bytes(pickle.dumps(metadata))
+    rewrite_manifest(step_dir)
+    refused(ck, "asks for storage transforms ['zstd']")
+
+
+def test_plain_value_where_a_tensor_belongs_is_one_line(ck):
+    """A crafted checkpoint may store a weight as a plain value (DCP bytes): refused, not a traceback."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshtron.checkpoint.manager import model_optimizer_state
+
+    step_dir = ck / step_dir_name(1)
+    model, opt = small_model()
+    state = model_optimizer_state(model, opt)
+    state["model"]["0.weight"] = 3
+    for f in step_dir.glob("*.distcp"):
+        f.unlink()
+    with pytest.warns(UserWarning):  # DCP: no process group, and the directory exists
+        dcp.save(state, checkpoint_id=str(step_dir))
+    rewrite_manifest(step_dir)
+    refused(ck, "does not match this model")
+
+
 @pytest.mark.parametrize("name, data, match", [
     ("trainer_state.json", b"{", "trainer_state.json is malformed"),
     ("trainer_state.json", b"[]", "trainer_state.json is malformed"),
