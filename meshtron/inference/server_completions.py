@@ -163,7 +163,7 @@ async def completion_chunks(run: Run, body: CompletionRequest, echoes: list[str]
                 yield error
     finally:
         await outputs.aclose()
-    if body.include_usage():
+    if body.include_usage() and not run.client_left:
         yield envelope("text_completion", run.response_id, engine.model_name, [],
                        {"usage": usage(run.final, body.n)})
 
@@ -184,6 +184,6 @@ async def chat_chunks(run: Run, body: ChatCompletionRequest) -> AsyncIterator[di
                 yield error
     finally:
         await outputs.aclose()
-    if body.include_usage():
+    if body.include_usage() and not run.client_left:
         yield envelope("chat.completion.chunk", run.response_id, engine.model_name, [],
                        {"usage": usage(run.final, body.n)})

@@ -71,6 +71,7 @@ def check_completion(body: CompletionRequest, prompts: list[Any], cfg: ServerCon
 
 def check_chat(body: ChatCompletionRequest, cfg: ServerConfig, max_model_len: int) -> None:
     check_common(body, cfg)
+    _need(body.n <= cfg.max_choices, "n", f"{body.n} choices is more than {cfg.max_choices} (--max-choices)")
     _need(bool(body.messages), "messages", "no messages given")
     num_chars = sum(len(m.content) for m in body.messages)
     max_chars = max_model_len * cfg.max_chars_per_token

@@ -37,6 +37,7 @@ class Run:
         self.engine, self.requests, self.http, self.metrics = engine, requests, http, metrics
         self.n, self.response_id = n, response_id
         self.final: list[Optional[RequestOutput]] = [None] * len(requests)
+        self.client_left = False
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         merged: asyncio.Queue = asyncio.Queue()
@@ -56,6 +57,7 @@ class Run:
                 if time.monotonic() - last_check >= DISCONNECT_POLL_S:
                     last_check = time.monotonic()
                     if await self.http.is_disconnected():
+                        self.client_left = True
                         logger.info("%s: the client went away; its %d request(s) are aborted", self.response_id,
                                     len(self.requests))
                         return
@@ -75,9 +77,7 @@ class Run:
         """Every final output, or None when the client left (nobody reads this answer)."""
         async for _ in self.outputs():
             pass
-        if any(o is None for o in self.final):
-            return None
-        return self.final
+        return None if self.client_left else self.final
 
     def failed(self, outputs: list[RequestOutput]) -> Optional[JSONResponse]:
         """An error answer when a request ended with an error: 503 when it was aborted (a drain that ran

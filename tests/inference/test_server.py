@@ -124,8 +124,8 @@ def test_disconnected_stream_frees_its_blocks(server):
         busy = stats(url)
         assert busy["num_running"] + busy["num_waiting"] == 1 and busy["num_free_blocks"] < NUM_BLOCKS
     for _ in range(300):  # the server notices the closed socket and aborts
-        s = stats(url)
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
+        s = stats(url)  # read without the engine's lock: wait for the whole abort, blocks freed included
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == NUM_BLOCKS:
             break
         time.sleep(0.05)
     assert s["num_running"] == s["num_waiting"] == 0

@@ -67,7 +67,8 @@ def test_a_client_that_times_out_or_cuts_its_stream_leaves_no_traceback():
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json={**greedy("a"), "max_tokens": 60}, timeout=0.5,
                        headers={"x-request-id": "impatient"})
-        with httpx.stream("POST", url + "/v1/completions", json={**greedy("b"), "max_tokens": 60, "stream": True},
+        with httpx.stream("POST", url + "/v1/completions", json={**greedy("b"), "max_tokens": 60, "stream": True,
+                                                                  "stream_options": {"include_usage": True}},
                           timeout=30) as r:
             next(line for line in r.iter_lines() if line.startswith("data:"))
         for _ in range(600):  # until the server has noticed both and aborted their requests
