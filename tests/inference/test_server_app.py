@@ -253,3 +253,22 @@ def test_the_api_page_shows_the_request_bodies(ready_client):
     spec = ready_client.get("/openapi.json").json()
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"prompt", "max_tokens", "stop_token_ids"} <= set(body["properties"]) and "$ref" not in str(body)
+
+
+def test_a_fault_inside_a_route_is_a_json_500_and_a_tokenizer_refusal_a_400(ready_client, monkeypatch):
+    eng = ready_client.app.state.server.engine
+
+    def broken() -> dict:
+        raise RuntimeError("stats broke")
+
+    monkeypatch.setattr(eng, "stats", broken)
+    r = TestClient(ready_client.app, raise_server_exceptions=False).get("/v1/engine/stats")
+    assert error_of(r, 500) == {"message": "internal server error: RuntimeError: stats broke", "type": "server_error",
+                                "param": None, "code": None}
+
+    def strict_encode(text: str) -> list[int]:
+        raise ValueError("special token '<|endoftext|>' is not allowed in text")
+
+    monkeypatch.setattr(eng.tokenizer, "encode", strict_encode)
+    error = error_of(ready_client.post("/v1/completions", json={"prompt": ["a", "<|endoftext|>"]}), 400)
+    assert error["param"] == "prompt[0]" and "special token" in error["message"]
