@@ -2,9 +2,11 @@
 
 One `meshtron serve` process (a tiny random model, CPU) on 127.0.0.1. Phase A: N clients each send K
 greedy completions in a closed loop (fixed prompts, fixed max_tokens); phase B: the same, plus one
-hostile client looping over the cases of hostile_cases.py. Phases alternate (A B, --pairs times) so a
-slow spell of a shared machine hits both; per phase the good clients' completed and correct counts
-(text equal to the prompt answered alone) and p50/p99 latency, and B/A ratios, median over pairs.
+hostile client (its own process) looping over the cases of hostile_cases.py; phase C (the control):
+the same N plus one well-behaved client as busy as the hostile one. Phases alternate (A B C, --pairs
+times) so a slow spell of a shared machine hits all; per phase the good clients' completed and
+correct counts (text equal to the prompt answered alone) and p50/p99 latency; B/A, C/A and B/C
+ratios, medians over pairs.
 """
 
 from __future__ import annotations
@@ -15,27 +17,25 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from meshtron.bench.hostile_cases import (
-    SAME_ID_PROMPTS,
-    Case,
-    CaseRecord,
-    HostileContext,
-    build_cases,
-    hostile_loop,
+from meshtron.bench.hostile_cases import CONTROL, SAME_ID_PROMPTS, Case, CaseRecord, build_cases, control_case
+from meshtron.bench.hostile_procs import (
+    HostileClient,
+    Server,
+    git_state,
+    log_summary,
+    save_checkpoint,
+    server_after_phase,
+    server_cpu_s,
 )
 
 DEFAULT_OUTPUT = Path("benchmarks/results/hostile.json")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-SETTLE_S = 10.0  # after a phase, how long the engine gets to finish aborted work before stats are read
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=3, help="(A, B) phase pairs; ratios are medians over pairs")
     p.add_argument("--min-hostile-rounds", type=int, default=1,
                    help="phase B lasts until the hostile client has sent every case this many times")
+    p.add_argument("--cases", nargs="+", default=None, metavar="WORD",
+                   help="only the hostile cases whose name contains one of these words (case-insensitive), "
+                        "e.g. --cases seed temperature 'MB'; default: every case")
+    p.add_argument("--no-control", action="store_true",
+                   help="skip phase C (the good clients plus a well-behaved client as busy as the hostile one)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds a good request may take")
     p.add_argument("--hostile-timeout", type=float, default=60.0, help="seconds a hostile request may take")
     p.add_argument("--max-phase-s", type=float, default=600.0, help="good clients send nothing new after this")
@@ -95,83 +100,6 @@ def good_prompts(num_clients: int) -> list[str]:
     return [f"client {i}: " + " ".join(words[: 1 + i % len(words)]) for i in range(num_clients)]
 
 
-def save_checkpoint(directory: Path, args: argparse.Namespace) -> None:
-    """A random Llama-shaped model with the byte tokenizer, saved as the trainer saves one."""
-    import torch
-    import yaml
-
-    from meshtron.checkpoint import CheckpointManager
-    from meshtron.config.loader import config_to_dict
-    from meshtron.config.schema import ModelConfig, RunConfig
-    from meshtron.models import GPTModel
-
-    torch.manual_seed(args.seed)
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
-                      ffn_hidden_size=args.ffn, max_position_embeddings=args.max_len, make_vocab_size_divisible_by=1,
-                      init_method_std=0.2)
-    model = GPTModel(cfg, 262).eval()  # the byte tokenizer's vocabulary
-    run_cfg = RunConfig(model=model.cfg)
-    run_cfg.tokenizer.type = "byte"
-    CheckpointManager(directory).save(0, model, None, {"step": 0}, yaml.safe_dump(config_to_dict(run_cfg)))
-
-
-class Server:
-    """`python -m meshtron serve` on 127.0.0.1 at a free port, its log in a file."""
-
-    def __init__(self, checkpoint: Path, log_path: Path, threads: int):
-        from meshtron.testing.multiprocess import free_port
-
-        self.port, self.log_path = free_port(), log_path
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshtron", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--kv-cache-memory-mb", "64"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited {self.proc.returncode} at start-up:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise SystemExit(f"the server was not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def rss_mib(self) -> Optional[float]:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return None  # not Linux, or the process is gone
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> Optional[int]:
-        """SIGTERM (a drain), then the exit status; killed after 60 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self.log.close()
-        return self.proc.returncode
-
-
 def good_body(prompt: str, max_tokens: int) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
@@ -217,36 +145,61 @@ class Workload:
     prompts: list[str]  # one per good client
     expected: dict[str, str]  # prompt -> its greedy text answered alone
     cases: list[Case]
-    records: dict[str, CaseRecord]  # case name -> outcomes over every B phase
+    records: dict[str, CaseRecord]  # case name -> outcomes over every B phase (and the control's over C)
     long_tokens: int  # max_tokens of the requests the hostile client walks away from
+    max_model_len: int
 
     @classmethod
-    def build(cls, prompts: list[str], expected: dict[str, str], max_model_len: int) -> Workload:
-        cases = build_cases(max_model_len)
-        return cls(prompts, expected, cases, {c.name: CaseRecord(sorted(c.accept)) for c in cases},
-                   max(1, min(200, max_model_len - 32)))
+    def build(cls, prompts: list[str], expected: dict[str, str], max_model_len: int,
+              words: Optional[list[str]] = None) -> Workload:
+        cases = select_cases(build_cases(max_model_len), words)
+        records = {c.name: CaseRecord(sorted(c.accept)) for c in [*cases, control_case()]}
+        return cls(prompts, expected, cases, records,
+                   max(1, min(200, max_model_len - 32)), max_model_len)
 
 
-async def run_phase(url: str, work: Workload, args, hostile: bool) -> dict[str, Any]:
-    """One phase: every good client's K requests, with the hostile client looping alongside in B."""
+def select_cases(cases: list[Case], words: Optional[list[str]]) -> list[Case]:
+    if not words:
+        return cases
+    chosen = [c for c in cases if any(w.lower() in c.name.lower() for w in words)]
+    if not chosen:
+        raise SystemExit(f"--cases: {' '.join(words)} matches no case; the cases are: "
+                         + "; ".join(c.name for c in cases))
+    return chosen
+
+
+def extra_client_spec(url: str, work: Workload, args, kind: str) -> dict[str, Any]:
+    """What the ninth client of phase B (hostile) or C (control) sends."""
+    names = [c.name for c in work.cases] if kind == "B" else [CONTROL]
+    return {"url": url, "names": names, "max_model_len": work.max_model_len,
+            "timeout_s": args.hostile_timeout, "expected": work.expected, "max_tokens": args.max_tokens,
+            "long_tokens": work.long_tokens, "min_rounds": args.min_hostile_rounds}
+
+
+async def run_phase(url: str, server: Optional[Server], work: Workload, args, kind: str) -> dict[str, Any]:
+    """One phase: every good client's K requests, with the hostile client looping alongside in B and the
+    control client in C."""
     import httpx
 
     prompts, expected = work.prompts, work.expected
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    stop, deadline = asyncio.Event(), time.monotonic() + args.max_phase_s
-    async with httpx.AsyncClient(base_url=url, limits=limits) as good, \
-            httpx.AsyncClient(base_url=url) as bad:
-        hostile_task = None
-        if hostile:
-            ctx = HostileContext(bad, args.hostile_timeout, expected, args.max_tokens, work.long_tokens)
-            hostile_task = asyncio.create_task(hostile_loop(ctx, work.cases, work.records, stop,
-                                                            args.min_hostile_rounds))
-        start = time.perf_counter()
+    bad = HostileClient(extra_client_spec(url, work, args, kind)) if kind != "A" else None
+    if bad is not None:
+        await asyncio.to_thread(bad.wait_ready)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as good:
+        deadline = time.monotonic() + args.max_phase_s
+        start, cpu, server_cpu = time.perf_counter(), time.process_time(), server_cpu_s(server)
         per_client = await asyncio.gather(*(good_client(good, p, expected[p], args, deadline) for p in prompts))
         good_wall = time.perf_counter() - start
-        stop.set()
-        num_hostile = await hostile_task if hostile_task is not None else 0
-    return summarize_phase([r for client in per_client for r in client], good_wall, args, num_hostile)
+        cpu, server_cpu = time.process_time() - cpu, delta(server_cpu_s(server), server_cpu)
+    num_extra = await asyncio.to_thread(bad.finish, work.records) if bad is not None else 0
+    phase = summarize_phase([r for client in per_client for r in client], good_wall, args, num_extra)
+    phase.update(client_cpu_s=cpu, server_cpu_s=server_cpu)
+    return phase
+
+
+def delta(after: Optional[float], before: Optional[float]) -> Optional[float]:
+    return after - before if after is not None and before is not None else None
 
 
 def percentile_ms(values: list[float], q: float) -> Optional[float]:
@@ -257,7 +210,7 @@ def percentile_ms(values: list[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1e3
 
 
-def summarize_phase(records: list[dict[str, Any]], wall: float, args, num_hostile: int) -> dict[str, Any]:
+def summarize_phase(records: list[dict[str, Any]], wall: float, args, num_extra: int) -> dict[str, Any]:
     completed = [r for r in records if r["outcome"] == "200"]
     latencies = [r["latency_s"] for r in completed]
     outcomes: dict[str, int] = {}
@@ -267,46 +220,21 @@ def summarize_phase(records: list[dict[str, Any]], wall: float, args, num_hostil
             "correct": sum(r["correct"] for r in records), "outcomes": outcomes, "wall_s": wall,
             "completed_per_s": len(completed) / wall, "p50_ms": percentile_ms(latencies, 0.5),
             "p99_ms": percentile_ms(latencies, 0.99), "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else None,
-            "hostile_requests": num_hostile}
-
-
-async def server_after_phase(url: str, server: Optional[Server]) -> dict[str, Any]:
-    """Once the engine has settled: /health, what the engine still holds (requests and KV blocks that
-    should have been freed) and the server's resident memory (of a server started here)."""
-    import httpx
-
-    if server is not None and server.proc.poll() is not None:
-        return {"alive": False, "exit_code": server.proc.returncode}
-    out: dict[str, Any] = {"alive": True}
-    deadline = time.monotonic() + SETTLE_S
-    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-        try:
-            while True:
-                stats = (await client.get("/v1/engine/stats")).json()
-                if (stats["num_running"] == 0 and stats["num_waiting"] == 0) or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            out["health"] = (await client.get("/health")).status_code
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            return {"alive": server is not None, "health": None, "error": f"{type(e).__name__}: {e}"}
-    out.update(num_running=stats["num_running"], num_waiting=stats["num_waiting"],
-               leaked_blocks=stats["num_blocks"] - stats["num_free_blocks"],
-               rss_mib=server.rss_mib() if server is not None else None)
-    return out
+            "extra_client_requests": num_extra}
 
 
 def ratio(b: Optional[float], a: Optional[float]) -> Optional[float]:
     return b / a if a and b is not None else None
 
 
-def pair_ratios(phases: list[dict[str, Any]]) -> dict[str, Any]:
-    """B/A per pair of p50, p99 and completed requests/s, and their medians over the pairs."""
+def pair_ratios(phases: list[dict[str, Any]], num: str, den: str) -> dict[str, Any]:
+    """num/den (e.g. B/A) per pair of p50, p99 and completed requests/s, and their medians over the pairs."""
     by_pair: dict[int, dict[str, dict]] = {}
     for p in phases:
         by_pair.setdefault(p["pair"], {})[p["phase"]] = p
     out: dict[str, Any] = {}
     for key in ("p50_ms", "p99_ms", "completed_per_s"):
-        per_pair = [ratio(pp["B"][key], pp["A"][key]) for pp in by_pair.values() if "A" in pp and "B" in pp]
+        per_pair = [ratio(pp[num][key], pp[den][key]) for pp in by_pair.values() if num in pp and den in pp]
         values = [r for r in per_pair if r is not None]
         out[key] = {"per_pair": per_pair, "median": statistics.median(values) if values else None,
                     "min": min(values, default=None), "max": max(values, default=None)}
@@ -318,35 +246,12 @@ def totals(phases: list[dict[str, Any]], name: str) -> dict[str, int]:
     return {k: sum(p[k] for p in chosen) for k in ("requests", "sent", "completed", "correct")}
 
 
-def git_state() -> dict[str, Any]:
-    """The commit the server ran from and any uncommitted change to the package (None outside git)."""
-    def git(*argv: str) -> Optional[str]:
-        try:
-            done = subprocess.run(["git", "-C", str(REPO_ROOT), *argv], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--", "meshtron")
-    return {"commit": git("log", "-1", "--oneline"),
-            "uncommitted": status.splitlines() if status else ([] if status is not None else None)}
-
-
-def log_summary(text: str) -> dict[str, Any]:
-    """Tracebacks and error lines in the server's log (it runs at --log-level warning)."""
-    lines = text.splitlines()
-    tracebacks = sum(line.startswith("Traceback") for line in lines)
-    errors = sum("ERROR" in line for line in lines)
-    return {"lines": len(lines), "tracebacks": tracebacks, "error_lines": errors,
-            "tail": text[-3000:] if tracebacks or errors else ""}
-
-
 async def run_pairs(url: str, server: Optional[Server], work: Workload, args) -> list[dict[str, Any]]:
-    """A then B, --pairs times; stops early if the server dies (the phases so far are kept)."""
+    """A, B, C (or A, B), --pairs times; stops early if the server dies (the phases so far are kept)."""
     phases = []
     for pair in range(args.pairs):
-        for name, hostile in (("A", False), ("B", True)):
-            phase = await run_phase(url, work, args, hostile)
+        for name in phase_names(args):
+            phase = await run_phase(url, server, work, args, name)
             phase.update(pair=pair, phase=name, server=await server_after_phase(url, server))
             phases.append(phase)
             print(phase_row(phase), flush=True)
@@ -355,19 +260,23 @@ async def run_pairs(url: str, server: Optional[Server], work: Workload, args) ->
     return phases
 
 
+def phase_names(args) -> tuple[str, ...]:
+    return ("A", "B") if args.no_control else ("A", "B", "C")
+
+
 def fmt(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
 HEADER = (f"{'pair':>4} {'phase':>5} {'sent':>5} {'done':>5} {'right':>5} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'req/s':>7} {'hostile':>7} {'health':>6} {'leaked':>6} {'RSS MiB':>8}")
+          f"{'req/s':>7} {'9th req':>7} {'srv cpu':>7} {'health':>6} {'leaked':>6} {'RSS MiB':>8}")
 
 
 def phase_row(p: dict[str, Any]) -> str:
     s = p["server"]
     return (f"{p['pair']:>4} {p['phase']:>5} {p['sent']:>5} {p['completed']:>5} {p['correct']:>5} "
             f"{fmt(p['p50_ms'], '.0f'):>8} {fmt(p['p99_ms'], '.0f'):>8} {p['completed_per_s']:>7.1f} "
-            f"{p['hostile_requests']:>7} {s.get('health', 'dead')!s:>6} {s.get('leaked_blocks', 'n/a')!s:>6} "
+            f"{p['extra_client_requests']:>7} {fmt(p['server_cpu_s'], '.1f'):>7} {s.get('health', 'dead')!s:>6} {s.get('leaked_blocks', 'n/a')!s:>6} "
             f"{fmt(s.get('rss_mib'), '.0f'):>8}")
 
 
@@ -378,13 +287,15 @@ def print_report(result: dict[str, Any]) -> None:
         flag = f"  FAILURES {rec['failures']}" if rec["failures"] else ""
         print(f"  {name:<32} {'/'.join(rec['accept']):<14} {rec['max_s']:>7.2f} {seen}{flag}")
     s = result["summary"]
-    for name in ("A", "B"):
-        t = s[f"totals_{name}"]
+    if result["control_case"] is not None:
+        control = result["control_case"]
+        print(f"control client (phase C): {control['outcomes']}, {control['failures']} failure(s)")
+    for name, t in s["totals"].items():
         print(f"phase {name}, all pairs: {t['completed']}/{t['requests']} completed, {t['correct']} with the text "
               "answered alone")
-    r = s["ratios_b_over_a"]
-    print(f"B/A, median over pairs: p50 {fmt(r['p50_ms']['median'], '.2f')}x, p99 {fmt(r['p99_ms']['median'], '.2f')}x,"
-          f" completed/s {fmt(r['completed_per_s']['median'], '.2f')}x")
+    for name, r in s["ratios"].items():
+        print(f"{name}, median over pairs: p50 {fmt(r['p50_ms']['median'], '.2f')}x, p99 "
+              f"{fmt(r['p99_ms']['median'], '.2f')}x, completed/s {fmt(r['completed_per_s']['median'], '.2f')}x")
     print(f"hostile failures (5xx, timeouts, unshaped errors, wrong texts): {s['hostile_failures']}")
     if result["server_log"] is not None:
         log = result["server_log"]
@@ -401,17 +312,23 @@ def measure(url: str, args: argparse.Namespace, server: Optional[Server] = None)
                          f"prompt (64) + {args.max_tokens}; lower --max-tokens")
     prompts = good_prompts(args.clients)
     expected = asyncio.run(expected_texts(url, [*prompts, *SAME_ID_PROMPTS], args.max_tokens, args.request_timeout))
-    work = Workload.build(prompts, expected, max_model_len)
+    work = Workload.build(prompts, expected, max_model_len, args.cases)
     print(HEADER, flush=True)
     phases = asyncio.run(run_pairs(url, server, work, args))
     records = work.records
     hostile = {c.name: {"accept": records[c.name].accept, "outcomes": records[c.name].outcomes,
                         "failures": records[c.name].failures, "max_s": records[c.name].max_s, "note": c.note}
                for c in work.cases}
-    summary = {"totals_A": totals(phases, "A"), "totals_B": totals(phases, "B"), "ratios_b_over_a": pair_ratios(phases),
-               "hostile_failures": sum(rec.failures for rec in records.values()),
+    names = phase_names(args)
+    ratios = {"B/A": pair_ratios(phases, "B", "A")}
+    if "C" in names:
+        ratios.update({"C/A": pair_ratios(phases, "C", "A"), "B/C": pair_ratios(phases, "B", "C")})
+    summary = {"totals": {name: totals(phases, name) for name in names}, "ratios": ratios,
+               "hostile_failures": sum(records[c.name].failures for c in work.cases),
                "server_alive": all(p["server"]["alive"] for p in phases)}
+    control = records[CONTROL]
     return {"max_model_len": max_model_len, "expected_texts": expected, "phases": phases, "hostile_cases": hostile,
+            "control_case": None if args.no_control else {"outcomes": control.outcomes, "failures": control.failures},
             "summary": summary}
 
 

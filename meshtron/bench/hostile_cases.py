@@ -8,6 +8,7 @@ a 4xx whose body is not OpenAI's error shape, a wrong text) is a failure the ben
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ CHAT = "/v1/chat/completions"
 JSON_HEADERS = {"content-type": "application/json"}
 # The two prompts of the shared X-Request-Id case; their texts alone are computed before the phases.
 SAME_ID_PROMPTS = ("hostile twin one", "hostile twin two")
+CONTROL = "control: 1-token completion"
 
 
 @dataclass
@@ -48,6 +50,13 @@ class CaseRecord:
     outcomes: dict[str, int] = field(default_factory=dict)
     failures: int = 0
     max_s: float = 0.0  # the longest a sending of the case took (all its requests)
+
+    def merge(self, other: dict[str, Any]) -> None:
+        """Add the counts of another record (as dataclasses.asdict gives them)."""
+        for outcome, count in other["outcomes"].items():
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + count
+        self.failures += other["failures"]
+        self.max_s = max(self.max_s, other["max_s"])
 
     def add(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -201,14 +210,22 @@ def build_cases(max_model_len: int) -> list[Case]:
     return cases
 
 
+def control_case() -> Case:
+    """The client of phase C: well-behaved, but as busy as the hostile one (back to back, no pause), so
+    B/C separates what the hostile requests cost from what any ninth busy client costs."""
+    raw = json.dumps({"prompt": "x", "max_tokens": 1, "temperature": 0}).encode()
+    return Case(CONTROL, lambda ctx: one(ctx, COMPLETIONS, raw=raw), frozenset({"2xx"}),
+                "a valid request, sent as fast as the server answers")
+
+
 async def hostile_loop(ctx: HostileContext, cases: list[Case], records: dict[str, CaseRecord],
-                       stop: asyncio.Event, min_rounds: int) -> int:
-    """Send the cases in order, round after round, until `stop` is set and `min_rounds` full rounds
-    are done; -> HTTP requests made. One case at a time: this is one client."""
+                       stopped: Callable[[], bool], min_rounds: int) -> int:
+    """Send the cases in order, round after round, until `stopped()` and `min_rounds` full rounds are
+    done; -> HTTP requests made. One case at a time: this is one client."""
     num_requests, rounds = 0, 0
-    while not (stop.is_set() and rounds >= min_rounds):
+    while not (rounds >= min_rounds and stopped()):
         for case in cases:
-            if stop.is_set() and rounds >= min_rounds:
+            if rounds >= min_rounds and stopped():
                 break
             start = time.perf_counter()
             outcomes = await case.send(ctx)
@@ -220,3 +237,22 @@ async def hostile_loop(ctx: HostileContext, cases: list[Case], records: dict[str
         else:
             rounds += 1
     return num_requests
+
+
+def hostile_process(spec: dict[str, Any], stop, results) -> None:
+    """The hostile (or control) client in a process of its own (spawned), so its client-side work never
+    shares the good clients' event loop. Puts ("ready",) once its cases are built, then loops until `stop` (a
+    multiprocessing Event) is set and puts ("done", {case: CaseRecord fields}, requests made)."""
+    asyncio.run(_hostile_main(spec, stop, results))
+
+
+async def _hostile_main(spec: dict[str, Any], stop, results) -> None:
+    import httpx
+
+    cases = [c for c in [*build_cases(spec["max_model_len"]), control_case()] if c.name in spec["names"]]
+    records = {c.name: CaseRecord(sorted(c.accept)) for c in cases}
+    async with httpx.AsyncClient(base_url=spec["url"]) as client:
+        ctx = HostileContext(client, spec["timeout_s"], spec["expected"], spec["max_tokens"], spec["long_tokens"])
+        results.put(("ready",))
+        num_requests = await hostile_loop(ctx, cases, records, stop.is_set, spec["min_rounds"])
+    results.put(("done", {name: dataclasses.asdict(r) for name, r in records.items()}, num_requests))

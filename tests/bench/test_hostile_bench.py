@@ -1,6 +1,7 @@
 """benchmarks/hostile_load.py on a tiny run: every JSON field is there and consistent (each good request
-sent is counted once, completed requests equal requests sent, ratios are B/A of the phases' own
-numbers, hostile outcomes add up to the requests the hostile client made), the reference texts equal
+sent is counted once, completed requests equal requests sent, ratios are B/A, C/A and B/C of the
+phases' own numbers, hostile outcomes add up to the requests the hostile client made, the control
+client's requests all succeed), the reference texts equal
 an independent greedy decode of the served model, and a server that answers 500 to everything is
 reported as failing every case."""
 
@@ -24,34 +25,43 @@ TINY = ["--clients", "2", "--requests", "3", "--max-tokens", "4", "--pairs", "2"
 MAX_LEN = 128
 
 
-def check_consistent(data: dict, clients: int, requests: int, pairs: int) -> None:
+def check_consistent(data: dict, clients: int, requests: int, pairs: int, names: str = "ABC") -> None:
     phases = data["phases"]
-    assert [(p["pair"], p["phase"]) for p in phases] == [(i, x) for i in range(pairs) for x in "AB"]
+    assert [(p["pair"], p["phase"]) for p in phases] == [(i, x) for i in range(pairs) for x in names]
     for p in phases:
         assert p["requests"] == p["sent"] == clients * requests
         assert p["completed"] == p["correct"] == p["sent"] and p["outcomes"] == {"200": p["sent"]}
         assert p["p50_ms"] <= p["p99_ms"]
         assert p["completed_per_s"] == pytest.approx(p["completed"] / p["wall_s"])
-        assert (p["hostile_requests"] > 0) == (p["phase"] == "B")
+        assert (p["extra_client_requests"] > 0) == (p["phase"] != "A")
         assert p["server"]["alive"] and p["server"]["health"] == 200
         assert p["server"]["num_running"] == p["server"]["num_waiting"] == p["server"]["leaked_blocks"] == 0
     summary = data["summary"]
-    for name in "AB":
-        assert summary[f"totals_{name}"] == {k: pairs * clients * requests for k in ("requests", "sent", "completed",
-                                                                                       "correct")}
-    for key, ratios in summary["ratios_b_over_a"].items():
-        expected = [phases[2 * i + 1][key] / phases[2 * i][key] for i in range(pairs)]
-        assert ratios["per_pair"] == pytest.approx(expected)
-        assert ratios["median"] == pytest.approx(statistics.median(expected))
-        assert ratios["min"] <= ratios["median"] <= ratios["max"]
+    assert summary["totals"] == {name: {k: pairs * clients * requests for k in ("requests", "sent", "completed",
+                                                                                "correct")} for name in names}
+    by_phase = {(p["pair"], p["phase"]): p for p in phases}
+    assert list(summary["ratios"]) == (["B/A", "C/A", "B/C"] if "C" in names else ["B/A"])
+    for which, ratios in summary["ratios"].items():
+        num, den = which.split("/")
+        for key, r in ratios.items():
+            expected = [by_phase[i, num][key] / by_phase[i, den][key] for i in range(pairs)]
+            assert r["per_pair"] == pytest.approx(expected)
+            assert r["median"] == pytest.approx(statistics.median(expected))
+            assert r["min"] <= r["median"] <= r["max"]
     cases = data["hostile_cases"]
     assert list(cases) == [c.name for c in build_cases(data["max_model_len"])]
-    assert sum(sum(c["outcomes"].values()) for c in cases.values()) == sum(p["hostile_requests"] for p in phases)
+    in_b = sum(p["extra_client_requests"] for p in phases if p["phase"] == "B")
+    assert sum(sum(c["outcomes"].values()) for c in cases.values()) == in_b
     for name, case in cases.items():
         assert sum(case["outcomes"].values()) >= pairs, name  # every B phase sent every case at least once
         accepted = {o for o in case["outcomes"] if (o[0] + "xx" if o.isdigit() else o) in case["accept"]}
         assert case["failures"] == sum(v for o, v in case["outcomes"].items() if o not in accepted), name
     assert summary["hostile_failures"] == sum(c["failures"] for c in cases.values())
+    if "C" in names:  # the control client: only valid requests, every one answered 200
+        in_c = sum(p["extra_client_requests"] for p in phases if p["phase"] == "C")
+        assert data["control_case"] == {"outcomes": {"200": in_c}, "failures": 0}
+    else:
+        assert data["control_case"] is None
 
 
 def test_hostile_benchmark_against_a_live_server(tmp_path, capsys):
@@ -72,7 +82,7 @@ def test_hostile_benchmark_against_a_live_server(tmp_path, capsys):
     assert set(data["hostile_cases"]["unknown model"]["outcomes"]) == {"404"}
     assert data["git"]["commit"] is None or isinstance(data["git"]["commit"], str)
     printed = capsys.readouterr().out
-    assert "B/A, median over pairs" in printed and f"wrote {out}" in printed
+    assert "B/C, median over pairs" in printed and f"wrote {out}" in printed
 
 
 def test_a_server_answering_500_fails_every_case():
@@ -84,9 +94,7 @@ def test_a_server_answering_500_fails_every_case():
         records = {c.name: CaseRecord(sorted(c.accept)) for c in cases}
         async with httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(handler)) as client:
             ctx = HostileContext(client, 5.0, {}, 4, 8)
-            stop = asyncio.Event()
-            stop.set()  # one round, then stop
-            sent = await hostile_loop(ctx, cases, records, stop, min_rounds=1)
+            sent = await hostile_loop(ctx, cases, records, lambda: True, min_rounds=1)  # one round
         return cases, records, sent
 
     cases, records, sent = asyncio.run(one_round())
@@ -122,9 +130,16 @@ def test_bad_flags_are_refused():
 def test_hostile_benchmark_starts_and_stops_its_own_server(tmp_path):
     out = tmp_path / "hostile.json"
     assert main(["--clients", "2", "--requests", "2", "--max-tokens", "4", "--pairs", "1", "--hidden-size", "32",
-                 "--layers", "1", "--ffn", "64", "--max-len", "128", "--output", str(out)]) == 0
+                 "--layers", "1", "--ffn", "64", "--max-len", "128", "--no-control", "--output", str(out)]) == 0
     data = json.loads(out.read_text())
-    check_consistent(data, clients=2, requests=2, pairs=1)
+    check_consistent(data, clients=2, requests=2, pairs=1, names="AB")
     assert data["server_exit_code"] == 0  # SIGTERM drained cleanly
     assert data["server_log"]["tracebacks"] == 0 and data["summary"]["hostile_failures"] == 0
     assert all(p["server"]["rss_mib"] > 0 for p in data["phases"])
+
+
+def test_the_cli_hands_its_arguments_to_the_benchmark():
+    from meshtron.cli import main as cli_main
+
+    with pytest.raises(SystemExit, match="--clients: 0 must be >= 1"):
+        cli_main(["bench", "hostile", "--clients", "0"])
