@@ -1,7 +1,7 @@
 """Serving throughput and latency: meshtron's engine against transformers static batching and a naive loop.
 
     python benchmarks/serve.py [--num-requests 256] [--batch-size 32] [--prompt-len 8 128] [--output-len 8 128]
-                               [--decode-attention gather compiled native] [--repeats N] [--pairs N]
+                               [--decode-attention auto gather compiled native] [--repeats N] [--pairs 3]
                                [--naive-requests N] [--skip engine static naive] [--output benchmarks/results/serve.json]
 """
 

@@ -2,7 +2,8 @@
 
 One seeded offline workload (every request arrives at t=0; prompt and output lengths drawn
 uniformly) runs through
-  (a) `LLMEngine` (continuous batching, paged KV cache, chunked prefill),
+  (a) `LLMEngine` (continuous batching, paged KV cache, chunked prefill), by default as a user gets it
+      (engine.decode_attention auto: the native decode-attention kernel on a CPU),
   (b) Hugging Face `transformers` `generate` with static batches on the same weights, converted with
       meshtron's own converter (left-padded batches; each batch runs until its longest request ends),
   (c) a naive loop: one request at a time with a contiguous KV cache.
@@ -101,28 +102,28 @@ def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
             "ttft_mean_ms": statistics.fmean(ttft) * 1e3}
 
 
-# --decode-attention choices: the engine options each turns on
-DECODE_ATTENTION = {"gather": {}, "compiled": {"compile_decode_attention": True},
-                    "native": {"native_decode_attention": True}}
-DECODE_SUFFIX = {"gather": "", "compiled": " compiled", "native": " native"}
+# --decode-attention choices (engine.decode_attention) and their row names; auto is the default engine
+DECODE_ATTENTION = ("auto", "gather", "compiled", "native")
+DECODE_SUFFIX = {"auto": "", "gather": " gather", "compiled": " compiled", "native": " native"}
 
 
-def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False, attention: str = "gather"):
+def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False, attention: str = "auto"):
+    """The engine with its default config but for the concurrency, step budget, device and decode attention."""
     from meshtron.data.tokenizer import ByteTokenizer
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
 
     return LLMEngine(model, ByteTokenizer(), EngineConfig(
         device=args.device, max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=16, kv_cache_memory_mb=256, cuda_graphs=cuda_graphs, **DECODE_ATTENTION[attention],
+        cuda_graphs=cuda_graphs, decode_attention=attention,
         cuda_graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(max_num_seqs, 1))))
 
 
-def warm_up(model: GPTModel, prompts, args, attention: str) -> float:
+def warm_up(model: GPTModel, prompts, args, attention: str) -> tuple[float, str]:
     """Build the decode attention before any timed run: the C kernel compiles once per machine; the
     torch.compile kernel once per process, with dynamic shapes, but sizes 0 and 1 are specialised (one
     decode and a one-block context get their own kernels, so the warm-up runs one short request alone,
-    then several); -> seconds."""
+    then several); -> (seconds, what the engine chose: gather, compiled or native)."""
     from meshtron.inference.request import SamplingParams
 
     # 24 tokens (two blocks of 16) where the context length allows
@@ -132,11 +133,11 @@ def warm_up(model: GPTModel, prompts, args, attention: str) -> float:
     engine = build_engine(model, args, 8, attention=attention)
     engine.generate([[1, 2, 3]], params)
     engine.generate(prompts[:8], params)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, engine.runner.decode_attention_choice
 
 
 def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int, cuda_graphs: bool = False,
-               attention: str = "gather") -> tuple[list[Timing], float, list[list[int]]]:
+               attention: str = "auto") -> tuple[list[Timing], float, list[list[int]]]:
     from meshtron.inference.request import SamplingParams
 
     engine = build_engine(model, args, max_num_seqs, cuda_graphs, attention)
@@ -323,14 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="further engine runs with these max_num_seqs (the paged cache wastes no memory on padding, "
                         "so the engine can run more requests at once than a static batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="engine token budget per step")
-    p.add_argument("--decode-attention", nargs="+", default=list(DECODE_ATTENTION), choices=list(DECODE_ATTENTION),
-                   help="engine rows per decode attention: gather (gather + SDPA, the default engine), compiled "
-                        "(engine.compile_decode_attention) and native (engine.native_decode_attention)")
+    p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=list(DECODE_ATTENTION),
+                   help="engine rows per engine.decode_attention: auto (the default engine: the native kernel on a "
+                        "CPU where it builds), gather (gather + SDPA), compiled, native")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive", "decode"])
-    p.add_argument("--pairs", type=int, default=0,
+    p.add_argument("--pairs", type=int, default=3,
                    help="then time N interleaved pairs (static batches, engine at its largest concurrency and "
-                        "last --decode-attention) and report the median ratio")
+                        "last --decode-attention) and report the median ratio (0: none)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each system; the run of median wall time is reported")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -365,7 +366,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args.decode_attention = list(dict.fromkeys(args.decode_attention))
     if args.device == "cuda" and "native" in args.decode_attention:
         args.decode_attention.remove("native")  # a CPU kernel; the table then has no native rows
-        args.decode_attention = args.decode_attention or ["gather"]
+        args.decode_attention = args.decode_attention or ["auto"]
     return args
 
 
@@ -394,16 +395,18 @@ def run_systems(model: GPTModel, prompts, outputs, args, results, notes, tokens,
         return out
 
     if "engine" not in args.skip:
+        chosen = {}
         for attention in args.decode_attention:
-            if attention != "gather":
-                notes.append(f"{attention} decode attention: built in {warm_up(model, prompts, args, attention):.1f} s "
-                             "before the timed runs")
+            seconds, chosen[attention] = warm_up(model, prompts, args, attention)
+            notes.append(f"decode attention {attention}: {chosen[attention]}, built and warmed up in {seconds:.1f} s "
+                         "before the timed runs")
         for graphs, attention in [(g, a) for g in graph_settings(args) for a in args.decode_attention]:
             suffix = (" graphs" if graphs else "") + DECODE_SUFFIX[attention]
             for max_num_seqs in [args.batch_size, *args.engine_max_num_seqs]:
                 engine_tokens = record(f"meshtron engine s={max_num_seqs}{suffix}",
                                        lambda s=max_num_seqs, g=graphs, a=attention:
                                        run_engine(model, prompts, outputs, args, s, g, a))
+                results[-1]["decode_attention"] = chosen[attention]
                 tokens.setdefault("engine", engine_tokens)
                 if engine_tokens != tokens["engine"]:
                     notes.append(f"engine s={max_num_seqs}{suffix}: greedy tokens differ from the first engine run")

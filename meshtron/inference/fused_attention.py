@@ -5,7 +5,7 @@ blocks into new tensors and then runs `scaled_dot_product_attention` on them: th
 many bytes as attention reads, every layer of every step. Written as below (an indexed load, then
 products summed over the head dimension, a softmax over the keys, and products summed over the
 keys), inductor turns the whole function into loops that load each key and value straight from the
-cache through the block table, so nothing is gathered. `engine.compile_decode_attention` switches
+cache through the block table, so nothing is gathered. `engine.decode_attention: compiled` switches
 the engine's decode buckets to the compiled function (compiled once, with dynamic shapes: the
 bucket's row and block counts change every step). Run eagerly the same function is correct but
 slow (it materialises the products); tests check it against the SDPA path.

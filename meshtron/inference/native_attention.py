@@ -1,5 +1,5 @@
-"""Decode attention as a small C kernel (`csrc/paged_attention.c`), for the engine's CPU decodes
-(`engine.native_decode_attention`).
+"""Decode attention as a small C kernel (`csrc/paged_attention.c`): the engine's default decode
+attention on a CPU (`engine.decode_attention`: auto picks it when it builds, see `decode_attention`).
 
 The kernel reads each decode row's keys and values straight from the paged cache through its block
 table, only the row's own positions (a bucket's padding costs nothing), each key once for all the
@@ -10,9 +10,10 @@ the scores; see docs/serving.md.
 
 The source is compiled on first use with the system C compiler (`$CC`, else `cc`, `gcc` or `clang`;
 `-O3 -march=native`) into `$MESHTRON_CACHE_DIR/kernels` (default `~/.cache/meshtron/kernels`), one
-file per source, compiler, flags and CPU, and loaded with ctypes: no Python extension build, no torch
-headers, about a second of compiling. Float32 CPU tensors only; rows split over
-`torch.get_num_threads()` threads.
+file per source, compiler, flags and CPU, written under a temporary name and renamed into place (so
+concurrent first builds are safe), and loaded with ctypes: no torch headers, no ninja, about half a
+second of compiling (`torch.utils.cpp_extension.load_inline` was measured and not kept: see
+docs/serving.md). Float32 CPU tensors only; rows split over `torch.get_num_threads()` threads.
 """
 
 from __future__ import annotations
@@ -58,29 +59,58 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def load_library() -> ctypes.CDLL:
-    """Compile (once per source, compiler, flags and CPU) and load the kernel; ConfigError if it cannot be built."""
-    global _library
-    if _library is not None:
-        return _library
+class KernelBuildError(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why and what to do."""
+
+
+_failure: Optional[str] = None  # why the first build in this process failed (not retried)
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        try:
+            proc = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+        except subprocess.TimeoutExpired:
+            raise KernelBuildError(f"compiling {SOURCE.name} with {cc} took over 300 s") from None
+        if proc.returncode != 0:
+            err = proc.stderr.strip()
+            raise KernelBuildError(f"compiling {SOURCE.name} with {cc} failed: "
+                                   f"{err.splitlines()[-1] if err else f'exit status {proc.returncode}'}")
+        os.replace(built, target)  # atomic: concurrent builders each write their own temporary file
+
+
+def _load() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
-        raise ConfigError("engine.native_decode_attention: no C compiler found (set $CC, or install cc/gcc/clang); "
-                          "or set engine.native_decode_attention false")
+        raise KernelBuildError("no C compiler found (set $CC, or install cc, gcc or clang)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu(), *FLAGS]).encode()).hexdigest()[:16]
     target = cache_dir() / f"paged_attention-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise ConfigError(f"engine.native_decode_attention: compiling {SOURCE.name} with {cc} failed: "
-                                  f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}; "
-                                  "set engine.native_decode_attention false")
-            os.replace(built, target)  # atomic: concurrent builders each write their own temporary file
-    lib = ctypes.CDLL(str(target))
+        _build(cc, target)
+    return ctypes.CDLL(str(target))
+
+
+def load_library() -> ctypes.CDLL:
+    """Compile (once per source, compiler, flags and CPU) and load the kernel; KernelBuildError if it
+    cannot (remembered: a process does not try twice)."""
+    global _library, _failure
+    if _library is not None:
+        return _library
+    if _failure is not None:
+        raise KernelBuildError(_failure)
+    try:
+        lib = _load()
+    except OSError as e:
+        _failure = (f"cannot build or load it under {cache_dir()} ({e.strerror or e}); set $MESHTRON_CACHE_DIR to a "
+                    "writable directory")
+        raise KernelBuildError(_failure) from None
+    except KernelBuildError as e:
+        _failure = str(e)
+        raise
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                            ctypes.c_float, i64]
@@ -125,10 +155,24 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return paged_decode_attention(q[:, :, 0], k_cache, v_cache, group.key_blocks, lo, hi, scale)[:, :, None]
 
 
-def check_native_decode_attention(model: torch.nn.Module, device: torch.device) -> None:
-    """Build the kernel now (so a missing compiler fails at start-up) and check the model fits it."""
+def unavailable_reason(model: torch.nn.Module, device: torch.device) -> Optional[str]:
+    """Why the kernel cannot serve this model here (building it if need be), or None when it can."""
     dtype = next(model.parameters()).dtype
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ConfigError(f"engine.native_decode_attention: true needs float32 weights on the CPU (the model is "
-                          f"{dtype} on {device}); set it false")
-    load_library()
+    if device.type != "cpu":
+        return f"the native kernel runs on the CPU only (the engine is on {device.type})"
+    if dtype != torch.float32:
+        return f"the native kernel needs float32 weights (the model is {str(dtype).removeprefix('torch.')})"
+    try:
+        load_library()
+    except KernelBuildError as e:
+        return f"the native kernel cannot be built: {e}"
+    return None
+
+
+def check_native_decode_attention(model: torch.nn.Module, device: torch.device) -> None:
+    """decode_attention 'native' asked for: build the kernel now (so a missing compiler fails at start-up)
+    and check the model fits it; ConfigError naming the field otherwise."""
+    reason = unavailable_reason(model, device)
+    if reason is not None:
+        raise ConfigError(f"engine.decode_attention: 'native' is not available: {reason}; "
+                          "choose auto or gather")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshtron.inference.config import EngineConfig
+from meshtron.inference.decode_attention import select_decode_attention
 from meshtron.inference.mamba_state import MambaInferenceStateConfig, MambaStateCache
 from meshtron.inference.paged_context import PagedBatch, PagedKVCache, build_paged_batch
 from meshtron.inference.request import Request, SamplingParams, TokenLogProbs
@@ -96,16 +97,8 @@ class ModelRunner:
         self.prompt_log_probs: dict[str, list[TokenLogProbs]] = {}  # the last forward's, by request
         self.cost_weights = cost_weights(model)
         self.num_forwards = {"varlen": 0, "packed": 0, "rows": 0, "graph": 0}
-        self.decode_attention = None  # the varlen layout's decode buckets: gather + SDPA unless compiled or native
-        if cfg.compile_decode_attention:
-            from meshtron.inference.fused_attention import compiled_decode_attention
-
-            self.decode_attention = compiled_decode_attention
-        if cfg.native_decode_attention:
-            from meshtron.inference.native_attention import check_native_decode_attention, native_decode_attention
-
-            check_native_decode_attention(model, device)
-            self.decode_attention = native_decode_attention
+        # the varlen layout's decode buckets: the native kernel on a CPU by default, gather + SDPA when None
+        self.decode_attention_choice, self.decode_attention = select_decode_attention(model, cfg, device)
         self.graphs = None
         if cfg.cuda_graphs:
             from meshtron.inference.cuda_graphs import CudaGraphRunner

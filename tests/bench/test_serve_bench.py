@@ -13,7 +13,7 @@ from meshtron.bench.serve import build_workload, main
 
 TINY = ["--num-requests", "6", "--prompt-len", "4", "12", "--output-len", "2", "6", "--batch-size", "4",
         "--engine-max-num-seqs", "8", "--hidden-size", "32", "--layers", "2", "--heads", "4", "--ffn", "64",
-        "--max-len", "32", "--device", "cpu", "--decode-attention", "gather"]
+        "--max-len", "32", "--device", "cpu"]
 
 
 def run(tmp_path, *extra: str) -> dict:
@@ -27,6 +27,9 @@ def test_serve_benchmark_json_fields(tmp_path, capsys):
     _, outputs = build_workload(6, 0, (4, 12), (2, 6))
     names = [r["system"] for r in data["results"]]
     assert names == ["meshtron engine s=4", "meshtron engine s=8", "naive one-at-a-time"]
+    # no flag: the default engine, which on a CPU decodes with the native kernel
+    assert [r.get("decode_attention") for r in data["results"]] == ["native", "native", None]
+    assert data["args"]["decode_attention"] == ["auto"] and data["args"]["pairs"] == 3
     for r in data["results"]:
         assert r["num_requests"] == 6 and r["output_tokens"] == sum(outputs)
         assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
@@ -45,10 +48,11 @@ def test_serve_benchmark_json_fields(tmp_path, capsys):
     assert "tok/s n/a" in printed and "engine / naive throughput" in printed
 
 
-def test_native_decode_attention_rows(tmp_path, capsys):
+def test_forced_decode_attention_rows(tmp_path, capsys):
     data = run(tmp_path, "--skip", "static", "naive", "decode", "--decode-attention", "gather", "native")
-    assert [r["system"] for r in data["results"]] == ["meshtron engine s=4", "meshtron engine s=8",
+    assert [r["system"] for r in data["results"]] == ["meshtron engine s=4 gather", "meshtron engine s=8 gather",
                                                       "meshtron engine s=4 native", "meshtron engine s=8 native"]
+    assert [r["decode_attention"] for r in data["results"]] == ["gather", "gather", "native", "native"]
     assert "greedy tokens differ" not in capsys.readouterr().out
 
 
@@ -67,7 +71,7 @@ def test_serve_benchmark_static_batches_agree(tmp_path):
     data = run(tmp_path, "--skip", "naive", "decode", "--pairs", "2")
     assert [r["system"] for r in data["results"]][-1] == "transformers static b=4"
     assert data["summary"]["greedy_agreement_engine_static"] == 1.0
-    assert [p["engine"] for p in data["pairs"]] == ["s=8", "s=8"]  # the largest concurrency, the gather path
+    assert [p["engine"] for p in data["pairs"]] == ["s=8", "s=8"]  # the largest concurrency, the default engine
     for p in data["pairs"]:
         assert p["ratio"] == pytest.approx(p["static_wall_s"] / p["engine_wall_s"])
     paired = data["summary"]["paired_engine_over_static"]

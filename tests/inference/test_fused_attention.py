@@ -1,6 +1,6 @@
 """The fused decode attention (`inference.fused_attention`) against the gather + SDPA path it replaces:
 eagerly for grouped-query heads, windows and unequal key/value widths; compiled inside the engine
-(slow: inductor compiles for ~15 s), greedy tokens equal to the default engine's."""
+(slow: inductor compiles for ~15 s), greedy tokens equal to the gather engine's."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def test_compiled_decode_attention_in_the_engine_gives_the_same_tokens():
     model = tiny_model()
     prompts, max_tokens = workload(num_requests=12, seed=3)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
-    default = engine(model, num_blocks=128, block_size=4).generate(prompts, params)
-    fused = engine(model, num_blocks=128, block_size=4, compile_decode_attention=True)
+    default = engine(model, num_blocks=128, block_size=4, decode_attention="gather").generate(prompts, params)
+    fused = engine(model, num_blocks=128, block_size=4, decode_attention="compiled")
     outs = fused.generate(prompts, params)
     assert fused.runner.decode_attention is not None
     assert [o.token_ids for o in outs] == [o.token_ids for o in default]

@@ -1,10 +1,15 @@
 """The native decode attention (`inference.native_attention`, a C kernel compiled on first use) against
 the eager paged formulation it replaces (itself checked against gather + SDPA in test_fused_attention):
 grouped-query heads, windows that start inside a block, unequal key/value widths, rows split over
-threads; its index checks, refusals and build cache; and inside the engine, greedy tokens equal to the
-default engine's."""
+threads; its index checks, refusals, build cache (also with concurrent first builds) and build
+failures; and inside the engine, greedy tokens equal to the gather engine's and to full recompute."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +19,9 @@ from meshtron.config.fields import ConfigError
 from meshtron.inference.fused_attention import paged_decode_attention as eager_paged
 from meshtron.inference.request import SamplingParams
 from meshtron.inference.varlen_context import AttentionGroup
-from tests.inference.helpers import engine, tiny_model, workload
+from tests.inference.helpers import engine, reference_greedy, tiny_model, workload
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def case(heads: int, kv_heads: int, dk: int, dv: int, rows: int = 6, blocks: int = 4, bs: int = 4, seed: int = 0):
@@ -85,29 +92,70 @@ def test_builds_into_the_cache_dir_once(tmp_path, monkeypatch):
     assert built.stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").iterdir())) == 1
 
 
+BUILD_AND_CHECK = """
+import torch
+from meshtron.inference.native_attention import load_library, paged_decode_attention
+load_library()
+q, k, v = torch.ones(1, 2, 4), torch.zeros(3, 4, 2, 4), torch.randn(3, 4, 2, 4)
+out = paged_decode_attention(q, k, v, torch.tensor([[2]]), torch.tensor([0]), torch.tensor([1]), 1.0)
+torch.testing.assert_close(out, v[2, :2].mean(0)[None])  # equal scores: the mean of the two values
+"""
+
+
+def test_concurrent_first_builds_each_load_a_whole_library(tmp_path):
+    """Every engine test builds the kernel on a fresh machine: processes that start together each
+    compile to a temporary file and rename it into place, so none loads a half-written file."""
+    env = {**os.environ, "MESHTRON_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_AND_CHECK], env=env, cwd=ROOT, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert [f.suffix for f in (tmp_path / "kernels").iterdir()] == [".so"]  # one library, no temporary left
+
+
 def test_refusals(monkeypatch):
-    with pytest.raises(ConfigError, match="engine.native_decode_attention: .*choose one decode attention"):
-        engine(tiny_model(), num_blocks=64, native_decode_attention=True, compile_decode_attention=True)
-    with pytest.raises(ConfigError, match="engine.native_decode_attention: .*varlen layout only"):
-        engine(tiny_model(), num_blocks=64, native_decode_attention=True, layout="packed")
-    with pytest.raises(ConfigError, match="engine.native_decode_attention: true needs float32 weights on the CPU"):
-        engine(tiny_model().to(torch.bfloat16), num_blocks=64, native_decode_attention=True)
+    with pytest.raises(ConfigError, match="engine.decode_attention: 'native' is not allowed; .*varlen layout only"):
+        engine(tiny_model(), num_blocks=64, decode_attention="native", layout="packed")
+    with pytest.raises(ConfigError, match="engine.decode_attention: 'native' is not available: the native kernel "
+                                          "needs float32 weights"):
+        engine(tiny_model().to(torch.bfloat16), num_blocks=64, decode_attention="native")
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     monkeypatch.setattr(native, "_compiler", lambda: None)
-    with pytest.raises(ConfigError, match="engine.native_decode_attention: no C compiler found"):
-        engine(tiny_model(), num_blocks=64, native_decode_attention=True)
+    with pytest.raises(ConfigError, match="engine.decode_attention: 'native' is not available: .*no C compiler found"):
+        engine(tiny_model(), num_blocks=64, decode_attention="native")
 
 
-@pytest.mark.parametrize("kind", ["gqa-rope", "window-rope", "mla"])
-def test_engine_gives_the_default_engines_tokens(kind):
+def test_a_failed_build_is_named_and_not_retried(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHTRON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])
+    with pytest.raises(native.KernelBuildError, match="compiling paged_attention.c with .* failed: .*no-such-flag"):
+        native.load_library()
+    monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("a failed build is tried once per process"))
+    with pytest.raises(native.KernelBuildError, match="failed"):
+        native.load_library()
+    assert list((tmp_path / "kernels").iterdir()) == []  # the temporary build directory is gone
+
+
+@pytest.mark.parametrize("kind", ["gqa-rope", "window-rope", "mla", "window-sinks-learned-pos"])
+def test_engine_tokens_equal_the_gather_engines_and_full_recompute(kind):
     model = tiny_model(kind)
     prompts, max_tokens = workload(num_requests=12, seed=3)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
-    default = engine(model, num_blocks=128, block_size=4).generate(prompts, params)
-    fast = engine(model, num_blocks=128, block_size=4, native_decode_attention=True)
+    gather = engine(model, num_blocks=128, block_size=4, decode_attention="gather")
+    assert gather.runner.decode_attention is None
+    expected = [o.token_ids for o in gather.generate(prompts, params)]
+    fast = engine(model, num_blocks=128, block_size=4)  # the default: native here
     calls = []
     kernel = fast.runner.decode_attention
-    fast.runner.decode_attention = lambda *a: calls.append(1) or kernel(*a)
+    if kind == "window-sinks-learned-pos":  # every layer has sinks, which the kernel lacks: gather
+        assert kernel is None and fast.runner.decode_attention_choice == "gather"
+    else:
+        fast.runner.decode_attention = lambda *a: calls.append(1) or kernel(*a)
     outs = fast.generate(prompts, params)
-    assert calls  # the decodes went through the kernel
-    assert [o.token_ids for o in outs] == [o.token_ids for o in default]
+    assert bool(calls) == (kernel is not None)  # the decodes went through the kernel
+    assert [o.token_ids for o in outs] == expected
+    assert expected[:4] == [reference_greedy(model, p, n, eos=-1) for p, n in zip(prompts[:4], max_tokens[:4])]
