@@ -28,13 +28,13 @@ class RequestOutput:
     log_probs: list[TokenLogProbs] = field(default_factory=list)
     new_log_probs: list[TokenLogProbs] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
-    prompt_log_probs: Optional[list[Optional[TokenLogProbs]]] = None
     error: Optional[str] = None
     events: list[RequestEvent] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_log_probs: Optional[list[Optional[TokenLogProbs]]] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -195,9 +195,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
     num_preemptions: int = 0
     log_probs: list[TokenLogProbs] = field(default_factory=list)
-    prompt_log_probs: list[TokenLogProbs] = field(default_factory=list)  # prompt positions 1, 2, ... so far
     events: list[RequestEvent] = field(default_factory=list)
     error: Optional[str] = None
+    prompt_log_probs: list[TokenLogProbs] = field(default_factory=list)  # prompt positions 1, 2, ... so far
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
