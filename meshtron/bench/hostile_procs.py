@@ -165,7 +165,9 @@ async def server_after_phase(url: str, server: Optional[Server]) -> dict[str, An
         try:
             while True:
                 stats = (await client.get("/v1/engine/stats")).json()
-                if (stats["num_running"] == 0 and stats["num_waiting"] == 0) or time.monotonic() > deadline:
+                # stats are read without the engine's lock: wait for the blocks too, not just the queues
+                idle = stats["num_running"] == stats["num_waiting"] == 0
+                if (idle and stats["num_free_blocks"] == stats["num_blocks"]) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.1)
             out["health"] = (await client.get("/health")).status_code

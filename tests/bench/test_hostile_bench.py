@@ -1,9 +1,8 @@
 """benchmarks/hostile_load.py on a tiny run: every JSON field is there and consistent (each good request
 sent is counted once, completed requests equal requests sent, ratios are B/A, C/A and B/C of the
 phases' own numbers, hostile outcomes add up to the requests the hostile client made, the control
-client's requests all succeed), the reference texts equal
-an independent greedy decode of the served model, and a server that answers 500 to everything is
-reported as failing every case."""
+client's requests all succeed), the reference texts equal an independent greedy decode of the served
+model, and a server that answers 500 to everything is reported as failing every case."""
 
 from __future__ import annotations
 
