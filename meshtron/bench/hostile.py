@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import tempfile
 import time
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-phase-s", type=float, default=600.0, help="good clients send nothing new after this")
     p.add_argument("--url", default=None, help="measure a server already running on this machine "
                    "(http://127.0.0.1:PORT) instead of starting one; the model flags below are then unused")
+    p.add_argument("--server-args", default="", metavar="FLAGS",
+                   help="more flags for the `meshtron serve` started here, e.g. --server-args='--max-body-bytes "
+                        "1048576' (request limits, engine options)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -351,7 +355,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         with tempfile.TemporaryDirectory(prefix="meshtron-bench-hostile-") as tmp:
             save_checkpoint(Path(tmp) / "ckpt", args)
-            server = Server(Path(tmp) / "ckpt", Path(tmp) / "server.log", args.threads)
+            server = Server(Path(tmp) / "ckpt", Path(tmp) / "server.log", args.threads,
+                            tuple(shlex.split(args.server_args)))
             try:
                 server.wait_ready()
                 out.update(measure(server.url, args, server))

@@ -46,7 +46,7 @@ def save_checkpoint(directory: Path, args: argparse.Namespace) -> None:
 class Server:
     """`python -m meshtron serve` on 127.0.0.1 at a free port, its log in a file."""
 
-    def __init__(self, checkpoint: Path, log_path: Path, threads: int):
+    def __init__(self, checkpoint: Path, log_path: Path, threads: int, extra: tuple[str, ...] = ()):
         from meshtron.testing.multiprocess import free_port
 
         self.port, self.log_path = free_port(), log_path
@@ -56,7 +56,7 @@ class Server:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshtron", "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--kv-cache-memory-mb", "64"],
+             "--port", str(self.port), "--log-level", "warning", "--kv-cache-memory-mb", "64", *extra],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
