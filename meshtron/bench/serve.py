@@ -377,10 +377,12 @@ def run_pairs(model: GPTModel, hf_dir: Path, prompts, outputs, args) -> list[dic
     seqs = max(args.batch_size, *args.engine_max_num_seqs)
     pairs = []
     for _ in range(args.pairs):
-        _, static_wall, _ = run_static_hf(hf_dir, prompts, outputs, args)
-        _, engine_wall, _ = run_engine(model, prompts, outputs, args, seqs, attention=attention)
+        _, static_wall, _, static_cpu = timed(lambda: run_static_hf(hf_dir, prompts, outputs, args))
+        _, engine_wall, _, engine_cpu = timed(lambda: run_engine(model, prompts, outputs, args, seqs,
+                                                                 attention=attention))
         pairs.append({"engine": f"s={seqs}{DECODE_SUFFIX[attention]}", "static_wall_s": static_wall,
-                      "engine_wall_s": engine_wall, "ratio": static_wall / engine_wall})
+                      "engine_wall_s": engine_wall, "ratio": static_wall / engine_wall,
+                      "static_cpu_s": static_cpu, "engine_cpu_s": engine_cpu, "cpu_ratio": static_cpu / engine_cpu})
     return pairs
 
 
@@ -444,10 +446,13 @@ def summarize_ratios(results, notes, tokens, args, pairs: list[dict[str, Any]]) 
         notes.append(f"the same per CPU second (steadier on a shared machine): {summary['engine_over_static_cpu']:.2f}x")
     if pairs:
         ratios = [p["ratio"] for p in pairs]
+        cpu_ratios = [p["cpu_ratio"] for p in pairs]
         summary["paired_engine_over_static"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                                "max": max(ratios), "engine": pairs[0]["engine"]}
+                                                "max": max(ratios), "engine": pairs[0]["engine"],
+                                                "cpu_median": statistics.median(cpu_ratios)}
         notes.append(f"{len(pairs)} interleaved pairs (static, engine {pairs[0]['engine']}): ratios "
-                     + ", ".join(f"{r:.2f}" for r in ratios) + f"; median {statistics.median(ratios):.2f}x")
+                     + ", ".join(f"{r:.2f}" for r in ratios) + f"; median {statistics.median(ratios):.2f}x "
+                     f"(per CPU second: median {statistics.median(cpu_ratios):.2f}x)")
     if "meshtron" in by_name and "naive" in by_name:
         summary["engine_over_naive"] = by_name["meshtron"]["output_tokens_per_s"] / by_name["naive"]["output_tokens_per_s"]
         notes.append(f"engine / naive throughput: {summary['engine_over_naive']:.2f}x")

@@ -74,8 +74,10 @@ def test_serve_benchmark_static_batches_agree(tmp_path):
     assert [p["engine"] for p in data["pairs"]] == ["s=8", "s=8"]  # the largest concurrency, the default engine
     for p in data["pairs"]:
         assert p["ratio"] == pytest.approx(p["static_wall_s"] / p["engine_wall_s"])
+        assert p["cpu_ratio"] == pytest.approx(p["static_cpu_s"] / p["engine_cpu_s"])
     paired = data["summary"]["paired_engine_over_static"]
     assert paired["median"] == pytest.approx(sum(p["ratio"] for p in data["pairs"]) / 2)
+    assert paired["cpu_median"] == pytest.approx(sum(p["cpu_ratio"] for p in data["pairs"]) / 2)
     assert paired["min"] <= paired["median"] <= paired["max"]
     assert data["decode_batch1"] == []
     assert data["summary"]["engine_over_static"] > 0 and data["summary"]["engine_over_static_cpu"] > 0
