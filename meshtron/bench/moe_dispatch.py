@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, *, tokens: int, hidden_size: int, num_exper
     torch.manual_seed(0)
     router = MoELayer(cfg).router
     torch.manual_seed(1 + rank)
-    x = torch.randn(1, tokens, hidden_size)
+    x = torch.randn(1, tokens, hidden_size)  # collective-device: this benchmark runs gloo ranks on the CPU
     with torch.no_grad():
         probs, indices, _ = router(x)
     routing = build_routing_map(probs, indices, num_experts)

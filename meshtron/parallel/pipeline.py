@@ -119,6 +119,7 @@ class Pipeline:
         self._batches: list[dict[str, torch.Tensor]] = []
         self._loss_scale, self._inject_nan = 1.0, False
         self._loss_sums: dict[int, torch.Tensor] = {}
+        self._target: torch.Tensor | None = None  # the step's loss target, arange(micro-batches)
         self.tied_group = None  # first/last-stage pair of a tied embedding (build_pipeline sets it)
         self.context_parallel = None
         if mesh["cp"].size() > 1:
@@ -154,7 +155,7 @@ class Pipeline:
             forward_only(self.parts, self.stage_ids, self.num_stages, self.rank_of, self.group, self.device, batches,
                          self._stage_kwargs, self._micro_batch_loss)
         _reshard(self.parts)  # FSDP parameters kept gathered by forward (zero-bubble, ZeRO-2) are freed
-        num_tokens = sum(float(mb["loss_mask"].sum()) for mb in batches)
+        num_tokens = float(sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in batches))  # one host sync
         loss_sum = self._broadcast_loss_sum(len(batches))
         self._batches = []
         return loss_sum, num_tokens
@@ -189,6 +190,7 @@ class Pipeline:
         kwargs = {k: torch.cat([kw[k] for kw in per_batch]) for k in per_batch[0]}
         args = (tokens,) if 0 in self.stage_ids else ()
         target = torch.arange(len(batches), device=tokens.device)
+        self._target = target  # the loss function finds a micro-batch's index from its chunk of it
         return args, kwargs, target
 
     def _stage_kwargs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -197,7 +199,18 @@ class Pipeline:
     def _loss_fn(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: `index` holds the micro-batch index (the target we gave it). Also
         called once by the stage's shape inference (index 0, overwritten by the real call)."""
-        return self._micro_batch_loss(logits, int(index.reshape(-1)[0]))
+        return self._micro_batch_loss(logits, self._index_of(index))
+
+    def _index_of(self, index: torch.Tensor) -> int:
+        """The micro-batch index of the schedule's chunk of our target. The schedule splits the target
+        arange(m) into views, so the chunk's offset in its storage is the index: metadata, no read of
+        the device tensor (reading it would be a host sync per micro-batch). A chunk that is not a view
+        of our target (copied by the schedule) is read."""
+        target = self._target
+        if (target is not None and index.numel() == 1 and index.device == target.device
+                and index.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()):
+            return index.storage_offset() - target.storage_offset()
+        return int(index.reshape(-1)[0])
 
     def _micro_batch_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
         """(sum of token losses) * scale of micro-batch i; the unscaled sum is kept for reporting."""

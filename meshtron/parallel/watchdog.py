@@ -3,7 +3,9 @@ arrive at a collective.
 
 Every rank publishes where it is in the process group's key-value store: the activity (training
 step, evaluation, checkpoint save, straggler report), its step, the phase inside it (forward or
-backward of micro-batch i, optimizer, communication) and a beat counter. When a collective fails or
+backward of micro-batch i, optimizer, communication) and a beat counter. The training thread only
+records it in memory; the watchdog's thread writes it to the store when it changed (every poll), so
+the step pays no store round trip per phase. When a collective fails or
 times out (`parallel.timeout_s`) on a rank, that rank writes its stack to
 `<run_dir>/stacks/rank<N>.txt`, records its own failure in the store, waits a short grace period for
 the other waiting ranks to record theirs, and names the ranks that did not (with where each was last
@@ -18,6 +20,13 @@ paused outside training steps: evaluation and checkpoint saves may legitimately 
 the timeout between two collectives; their collectives are still covered by the timeout.
 SIGUSR1 dumps the stack on demand; SIGTERM (sent by torchrun when another rank dies) dumps it before
 the process ends.
+
+Under NCCL a collective does not block the training thread: it is queued on the GPU, and when it
+times out NCCL's own watchdog ends the process (after dumping its flight recorder, see
+parallel/distributed.py), so the report above never runs. There the watchdog also makes an early
+report (`report_after_s`, half the timeout): once a rank has made no progress that long inside an
+activity, it prints and writes every rank's last position and the ranks behind the others, and dumps
+its stack, without ending anything.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from meshtron.parallel.distributed import group_device
 
 ABORT_KEY = "meshtron/abort"
 EXIT_CODE = 3
@@ -73,8 +84,20 @@ class Position:
         return f"{self.activity} {self.step}, phase {self.phase}"
 
 
+def behind(seen: dict[int, Optional[Position]]) -> list[int]:
+    """Ranks behind the others: never reported, at an earlier step, or in the same activity and step
+    with fewer phase changes than the furthest rank there."""
+    known = {r: p for r, p in seen.items() if p is not None}
+    if not known:
+        return sorted(seen)
+    last = max(p.step for p in known.values())
+    most = max((p.beats for p in known.values() if p.step == last and p.activity != IDLE), default=0)
+    return sorted(r for r, p in seen.items() if p is None or p.step < last or (
+        p.step == last and p.activity != IDLE and p.beats < most))
+
+
 class Watchdog:
-    def __init__(self, run_dir: Path, timeout_s: float, poll_s: float = 0.5):
+    def __init__(self, run_dir: Path, timeout_s: float, poll_s: float = 0.5, report_after_s: Optional[float] = None):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s, self.poll_s = timeout_s, poll_s
         # how long a failed rank waits for the other waiting ranks to report before naming the rest;
@@ -90,6 +113,9 @@ class Watchdog:
         self._progress_at = time.monotonic()
         self._backstop = False  # armed inside training steps only
         self._raised = False
+        self.report_after_s = report_after_s
+        self._reported: Optional[Position] = None  # the position the early report was made in
+        self._published: Optional[Position] = None
         self._publish()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshtron-watchdog", daemon=True)
@@ -98,8 +124,13 @@ class Watchdog:
     # ---- heartbeats ---------------------------------------------------------------------------
 
     def _publish(self) -> None:
+        """Write this rank's position to the store if it changed (from the watchdog's thread)."""
+        position = self.position
+        if position is self._published:
+            return
         try:
-            self.store.set(_heartbeat_key(self.rank), self.position.encode())
+            self.store.set(_heartbeat_key(self.rank), position.encode())
+            self._published = position
         except Exception:  # the store's host (rank 0) is gone: collectives will fail and say so
             pass
 
@@ -109,20 +140,17 @@ class Watchdog:
         self.position = Position(name, step, "start", 0)
         self._progress_at = time.monotonic()
         self._backstop = backstop
-        self._publish()
         try:
             yield
         finally:
             self._backstop = False
             self.position = Position(IDLE, step, f"after {name} {step}", 0)
-            self._publish()
 
     def beat(self, phase: str) -> None:
         """The current activity moved on to `phase` (e.g. "forward of micro-batch 0")."""
         p = self.position
         self.position = Position(p.activity, p.step, phase, p.beats + 1)
         self._progress_at = time.monotonic()
-        self._publish()
 
     def heartbeats(self) -> dict[int, Optional[Position]]:
         """Where each rank was last seen (None if it never reported)."""
@@ -162,6 +190,7 @@ class Watchdog:
         self.dump_stack(f"collective failed in {where.describe()}: {first_line}")
         try:
             self._raised = True
+            self._publish()
             self.store.set(_failed_key(self.rank), where.encode())
             missing = self._missing_ranks()
             seen = self.heartbeats()
@@ -192,9 +221,31 @@ class Watchdog:
         self._stack_file.close()
         os._exit(EXIT_CODE)
 
+    def report_stall(self, stalled: float) -> str:
+        """The early report: every rank's last position and the ranks behind; printed, written with this
+        rank's stack to its stack file, and returned. Ends nothing."""
+        where = self.position
+        self._reported = where
+        try:
+            seen = self.heartbeats()
+        except Exception:
+            seen = {}
+        late = behind(seen) if seen else []
+        who = (f"rank(s) {late} are behind the others" if late else
+               "no rank is behind the others (a rank may have died, or the collectives do not match)")
+        every = "; ".join(f"rank {r}: " + (p.describe() if p else "never reported") for r, p in sorted(seen.items()))
+        line = (f"meshtron watchdog: rank {self.rank} made no progress for {stalled:.0f}s in {where.describe()}: "
+                f"{who}. Last seen: {every}. (A report only: under NCCL its watchdog ends the run at "
+                f"parallel.timeout_s={self.timeout_s:g}s and dumps its flight recorder.)")
+        print(line, file=sys.stderr, flush=True)
+        self._stack_file.write(line + "\n")
+        self.dump_stack(f"no progress for {stalled:.0f}s in {where.describe()}")
+        return line
+
     def _watch(self) -> None:
         store_lost_at: Optional[float] = None
         while not self._stop.wait(self.poll_s):
+            self._publish()
             try:
                 aborted = self.store.check([ABORT_KEY])
                 message = self.store.get(ABORT_KEY).decode() if aborted else ""
@@ -210,6 +261,10 @@ class Watchdog:
                 self._exit(f"meshtron watchdog: rank {self.rank} (in {self.position.describe()}) exits because the "
                            f"run was aborted: {message}", "run aborted by another rank")
             stalled = time.monotonic() - self._progress_at
+            position = self.position
+            if (self.report_after_s is not None and not self._raised and position.activity != IDLE
+                    and stalled > self.report_after_s and self._reported is not position):
+                self.report_stall(stalled)
             if self._backstop and not self._raised and stalled > 2 * self.timeout_s:
                 where = self.position.describe()
                 message = (f"rank {self.rank} made no progress for {stalled:.0f}s (> 2 x parallel.timeout_s) in "
@@ -229,8 +284,10 @@ class Watchdog:
 
 
 def step_time_extremes(seconds: float, group=None) -> tuple[tuple[int, float], tuple[int, float]]:
-    """All-gather one step time per rank; return (slowest rank, time), (fastest rank, time)."""
-    times = torch.zeros(dist.get_world_size(group), dtype=torch.float64)
-    dist.all_gather_into_tensor(times, torch.tensor([seconds], dtype=torch.float64), group=group)
+    """All-gather one step time per rank (on the group's device); return (slowest rank, time), (fastest rank, time)."""
+    device = group_device(group)
+    times = torch.zeros(dist.get_world_size(group), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(times, torch.tensor([seconds], dtype=torch.float64, device=device), group=group)
+    times = times.cpu()
     slow, fast = int(times.argmax()), int(times.argmin())
     return (slow, float(times[slow])), (fast, float(times[fast]))

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.nn.context import PackedContext
 from meshtron.nn.moe.replay import clear_replay
 from meshtron.parallel.clip import clip_grad_norm_
+from meshtron.parallel.distributed import group_device
 from meshtron.rl.loss import (
     PolicyLossConfig,
     clip_rewards,
@@ -50,7 +51,7 @@ def all_reduce(values: list[float], op=None, group=None) -> list[float]:
     group = world_group(group)
     if group is None:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=group_device(group))  # NCCL takes no CPU tensor
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
     return t.tolist()
 

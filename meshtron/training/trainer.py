@@ -132,14 +132,20 @@ class Trainer:
 
     def _setup_distributed(self) -> None:
         p = self.cfg.parallel
-        world_size = init_distributed(self.device, p.timeout_s)
+        world_size = init_distributed(self.device, p.timeout_s, self.run_dir)
         self.dims = ParallelDims.from_config(p, world_size)
         self.mesh = self.dims.build_mesh(self.device.type, p.timeout_s) if world_size > 1 else None
         self.rank = dist.get_rank() if world_size > 1 else 0
+        self._groups: dict[str, Any] = {}
 
     def group(self, axis: str):
-        """The process group of a mesh axis (None in a single process)."""
-        return None if self.mesh is None else self.mesh[axis].get_group()
+        """The process group of a mesh axis (None in a single process), looked up once: slicing a
+        DeviceMesh each step costs host work (index searches on the rank grid)."""
+        if self.mesh is None:
+            return None
+        if axis not in self._groups:
+            self._groups[axis] = self.mesh[axis].get_group()
+        return self._groups[axis]
 
     def _build_data(self) -> None:
         t, dims = self.cfg.train, self.dims
@@ -246,12 +252,35 @@ class Trainer:
         return combine_losses(logits, mtp_logits, mb["labels"], mb["loss_mask"], mb.get("document_ids"),
                               self.cfg.model, cross_entropy)
 
-    def _global_sum(self, value: float) -> float:
+    def _global_sum(self, value: float | torch.Tensor) -> float:
         """Sum a per-rank number over the ranks that hold different tokens (dp x cp)."""
-        if self.mesh is None:
-            return value
-        with self._phase("communication"):
-            return float(all_reduce_sum(torch.tensor(value, dtype=torch.float64), self.group("dp_cp")))
+        return self._global_sums([value])[0]
+
+    def _global_sums(self, values: list[float | torch.Tensor]) -> list[float]:
+        """Sum per-rank numbers (floats or 0-d tensors on the device) over dp x cp in one all-reduce,
+        on the device (NCCL takes no CPU tensor), read back with one host sync."""
+        if not values:
+            return []
+        packed = torch.stack([torch.as_tensor(v, device=self.device).detach().double().reshape(()) for v in values])
+        if self.mesh is not None:
+            with self._phase("communication"):
+                all_reduce_sum(packed, self.group("dp_cp"))
+        return packed.tolist()
+
+    def _fsdp_modules(self) -> list[Any]:
+        """Every FSDP unit of this rank's parts (found once)."""
+        if not hasattr(self, "_fsdp_units"):
+            from torch.distributed.fsdp import FSDPModule
+
+            self._fsdp_units = [m for part in self.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
+        return self._fsdp_units
+
+    def _gradient_sync(self, enabled: bool) -> None:
+        """FSDP reduces gradients (reduce-scatter; HSDP: and all-reduce) only in the backward of a step's
+        last micro-batch: the earlier ones accumulate unsharded gradients locally (one reduction per step
+        instead of one per micro-batch, for the memory of one unsharded gradient per FSDP unit)."""
+        for unit in self._fsdp_modules():
+            unit.set_requires_gradient_sync(enabled, recurse=False)
 
     @contextmanager
     def _phase(self, name: str, detail: str = "") -> Iterator[None]:
@@ -287,7 +316,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [self._local_micro_batch(mb) for mb in micro_batches]
-        total_tokens = self._global_sum(sum(float(mb["loss_mask"].sum()) for mb in micro_batches))
+        # one all-reduce and one host sync for the step's token count (not one per micro-batch)
+        total_tokens = self._global_sum(sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches))
         if self.grad_capture is not None:
             self.grad_capture.begin(self.step + 1)
         inject = (self.step + 1) in self.cfg.train.debug_nonfinite_steps
@@ -300,23 +330,12 @@ class Trainer:
                 with self._phase("pipeline", " schedule (forward and backward)"):
                     loss_sum = self.pipeline.train_step(micro_batches, total_tokens, inject_nan=inject)
             else:
-                loss_sum = 0.0
-                extra_sums: dict[str, list[float]] = {}  # MTP (issue 4): name -> [loss sum, tokens]
-                for i, mb in enumerate(micro_batches):
-                    with self._loss_context():
-                        with self._phase("forward", f" of micro-batch {i}"):
-                            loss, _, extra = self._forward_loss(mb)
-                        if i == 0 and inject:
-                            loss = loss * float("nan")
-                        with self._phase("backward", f" of micro-batch {i}"):
-                            (loss / max(total_tokens, 1.0)).backward()
-                    loss_sum += loss.item()
-                    for name, (value, count) in extra.items():
-                        acc = extra_sums.setdefault(name, [0.0, 0.0])
-                        acc[0], acc[1] = acc[0] + float(value), acc[1] + float(count)
-            mean_loss = self._global_sum(loss_sum) / max(total_tokens, 1.0)
-            extra_means = {name: self._global_sum(v) / max(self._global_sum(c), 1.0)
-                           for name, (v, c) in (extra_sums if self.pipeline is None else {}).items()}
+                loss_sum, extra_sums = self._accumulate(micro_batches, total_tokens, inject)
+            # the loss and the logged extras (MTP depths) in one all-reduce and one host sync
+            names = sorted(extra_sums) if self.pipeline is None else []
+            sums = self._global_sums([loss_sum] + [x for n in names for x in extra_sums[n]])
+            mean_loss = sums[0] / max(total_tokens, 1.0)
+            extra_means = {n: sums[1 + 2 * k] / max(sums[2 + 2 * k], 1.0) for k, n in enumerate(names)}
         if self.grad_capture is not None:
             self.grad_capture.save()
         with self.timers.phase("optimizer"):
@@ -333,6 +352,29 @@ class Trainer:
             extra_means.update(self._moe_step_metrics())
         self.step += 1
         return StepResult(self.step, mean_loss, grad_norm, lr, int(total_tokens), skipped, extra_means)
+
+    def _accumulate(self, micro_batches: list[dict[str, torch.Tensor]], total_tokens: float,
+                    inject: bool) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+        """Forward and backward of every micro-batch (no pipeline); -> (sum of token losses, {extra loss
+        name: [sum, tokens]}), kept on the device: no host sync per micro-batch."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        extra_sums: dict[str, list[torch.Tensor]] = {}  # MTP (issue 4): name -> [loss sum, tokens]
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            self._gradient_sync(i == last)
+            with self._loss_context():
+                with self._phase("forward", f" of micro-batch {i}"):
+                    loss, _, extra = self._forward_loss(mb)
+                if i == 0 and inject:
+                    loss = loss * float("nan")
+                with self._phase("backward", f" of micro-batch {i}"):
+                    (loss / max(total_tokens, 1.0)).backward()
+            loss_sum += loss.detach().double()
+            for name, (value, count) in extra.items():
+                acc = extra_sums.setdefault(name, [loss_sum.new_zeros(()), loss_sum.new_zeros(())])
+                acc[0] += torch.as_tensor(value, device=self.device).detach().double()
+                acc[1] += torch.as_tensor(count, device=self.device).double()
+        return loss_sum, extra_sums
 
     def _moe_step_metrics(self) -> dict[str, float]:
         """Reduce this step's MoE statistics over the data ranks, update expert biases (every rank the
@@ -374,21 +416,21 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         batches = [self._local_micro_batch(mb) for mb in batches]
+        pair = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens): no sync per batch
         if self.pipeline is not None:
             with self._phase("pipeline", " forward-only schedule"):
-                loss_sum, tokens = self.pipeline.eval_step(batches)
+                pair += torch.tensor(self.pipeline.eval_step(batches), dtype=torch.float64, device=self.device)
         else:
-            loss_sum = tokens = 0.0
             for i, mb in enumerate(batches):
                 with self._loss_context(), self._phase("forward", f" of validation batch {i}"):
                     loss, n, _ = self._forward_loss(mb)
-                loss_sum += loss.item()
-                tokens += float(n)
+                pair[0] += loss.detach().double()
+                pair[1] += torch.as_tensor(n, device=self.device).double()
         # every data-parallel rank evaluated the same batches: sum over cp only
         if self.mesh is not None and self.dims.cp > 1:
             with self._phase("communication", " (validation loss over cp)"):
-                pair = all_reduce_sum(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.group("cp"))
-            loss_sum, tokens = float(pair[0]), float(pair[1])
+                all_reduce_sum(pair, self.group("cp"))
+        loss_sum, tokens = pair.tolist()
         loss = loss_sum / max(tokens, 1.0)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
@@ -422,7 +464,9 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         logger = MetricsLogger(cfg.logger, self.run_dir, t.train_iters, config_to_dict(cfg), initial_step=self.step,
                                enabled=self.rank == 0)
-        self.watchdog = Watchdog(self.run_dir, cfg.parallel.timeout_s) if self.mesh is not None else None
+        # under NCCL a hung collective ends the process at the timeout (see parallel/watchdog.py): report earlier
+        early = cfg.parallel.timeout_s / 2 if self.device.type == "cuda" else None
+        self.watchdog = Watchdog(self.run_dir, cfg.parallel.timeout_s, report_after_s=early) if self.mesh is not None else None
         try:
             self._announce(logger)
             self._loop(logger)
