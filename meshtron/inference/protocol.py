@@ -2,10 +2,11 @@
 OpenAI-shaped errors, and the response/chunk dictionaries.
 
 Standard fields follow the OpenAI API; `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`logprobs_mode` and (completions) `return_tokens_as_token_ids` are meshtron extensions (the official
-client passes them through `extra_body`). Types are strict (a float or a bool is not a token id, a
-string is not a number), numbers are finite, and parameters meshtron does not implement are refused
-with a 400 naming them rather than silently ignored. A null field means its default.
+`repetition_penalty`, `min_tokens`, `prompt_logprobs` (vLLM's names), `logprobs_mode` and (completions)
+`return_tokens_as_token_ids` are extensions (the official client passes them through `extra_body`).
+Types are strict (a float or a bool is not a token id, a string is not a number), numbers are finite,
+and parameters meshtron does not implement are refused with a 400 naming them rather than silently
+ignored (`IGNORED` lists the few that change nothing here). A null field means its default.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 from meshtron.inference.chat_template import message_text
 from meshtron.inference.outputs import RequestOutput
 from meshtron.inference.request import SamplingParams, TokenLogProbs
+from meshtron.inference.server_logprobs import MIN_LOG_PROB, finite_log_prob, legacy_log_probs  # noqa: F401
 
 # A JSON number (an integer is fine) that is finite; never a bool or a string.
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-# What a log probability of -inf is reported as (JSON has no infinity; OpenAI's clients expect a number).
-MIN_LOG_PROB = -9999.0
 
 
 class ApiError(Exception):
@@ -148,16 +148,27 @@ class _Common(_Strict):
     stream_options: Optional[StreamOptions] = None
     stop: Any = ()  # a string or a list of strings (checked below), kept as a tuple
     seed: Optional[StrictInt] = None
-    user: Optional[StrictStr] = None
+    user: Optional[StrictStr] = None  # an end-user id for the provider's abuse monitoring: nothing to do here
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    logit_bias: dict[StrictStr, Number] = Field(default_factory=dict)  # {"token id": bias}, kept as {id: bias}
+    min_tokens: StrictInt = 0
+    prompt_logprobs: Optional[StrictInt] = None
     top_k: StrictInt = 0
     min_p: Number = 0.0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
     logprobs_mode: StrictStr = "raw"  # meshtron: 'processed' reports log probs of the sampled (tempered) distribution
 
-    IGNORED: ClassVar[tuple[str, ...]] = ("user", "logit_bias", "service_tier", "store", "metadata", "parallel_tool_calls")
+    # OpenAI fields that change nothing on this server, accepted and ignored: a processing tier
+    # (service_tier), keeping the answer on the provider's side (store) and tags for it (metadata),
+    # and parallel_tool_calls (tools themselves are refused, so it has nothing to apply to).
+    IGNORED: ClassVar[tuple[str, ...]] = ("service_tier", "store", "metadata", "parallel_tool_calls")
+    MAX_LOG_PROBS: ClassVar[int] = SamplingParams.MAX_TOP_LOG_PROBS
+    # A positive logit is divided by the penalty: far below 1 it overflows float32 (1e-300 made every
+    # such logit inf, a 500), far above it means nothing more; these bounds keep it a finite factor.
+    REPETITION_PENALTY_RANGE: ClassVar[tuple[float, float]] = (0.01, 100.0)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -173,27 +184,48 @@ class _Common(_Strict):
             return tuple(value)
         raise ApiError(400, "stop: must be a string or a list of strings", "stop")
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float]) -> dict[int, float]:
+        """JSON keys are strings: OpenAI's logit_bias writes token ids as decimal strings ("50256")."""
+        for key in value:
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                raise ApiError(400, f"logit_bias: the key {key[:40]!r} is not a token id; keys are token ids written "
+                                    'as strings, e.g. {"50256": -100}', "logit_bias")
+        return {int(k): float(v) for k, v in value.items()}
+
     def unsupported(self) -> None:
         """Refuse what meshtron cannot honour, each with its own message."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name}: penalties are not supported; leave it at 0", name)
         extra = sorted(k for k in (self.model_extra or {}) if k not in self.IGNORED)
         if extra:
             raise ApiError(400, f"{extra[0]}: is not a supported parameter", extra[0])
+        self._check_count("prompt_logprobs", self.prompt_logprobs)
+        low, high = self.REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ApiError(400, f"repetition_penalty: {self.repetition_penalty!r} is not allowed; must be in "
+                                f"[{low:g}, {high:g}] (1 is off, above 1 discourages repeats)", "repetition_penalty")
+
+    def _check_count(self, name: str, value: Optional[int]) -> None:
+        if value is not None and not 0 <= value <= self.MAX_LOG_PROBS:
+            raise ApiError(400, f"{name}: {value} is not allowed; must be an integer in [0, {self.MAX_LOG_PROBS}]",
+                           name)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: Optional[int], default_max_tokens: int, index: int,
-                        return_log_probs: bool, top_log_probs: int) -> SamplingParams:
-        """The engine's params for choice `index` (a seed is offset by the index so n > 1 differs)."""
+                        return_log_probs: bool, top_log_probs: int,
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """The engine's params for choice `index` (a seed is offset by the index so n > 1 differs);
+        `prompt_logprobs` is what the engine scores of the prompt (an echo may need more than asked)."""
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens, temperature=self.temperature,
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + index, stop_token_ids=tuple(self.stop_token_ids),
             stop=self.stop, ignore_eos=self.ignore_eos, return_log_probs=return_log_probs, top_log_probs=top_log_probs,
-            logprobs_mode=self.logprobs_mode)
+            logprobs_mode=self.logprobs_mode, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias), min_tokens=self.min_tokens, prompt_logprobs=prompt_logprobs)
 
 
 def _is_token_id(x: Any) -> bool:
@@ -239,6 +271,25 @@ class CompletionRequest(_Common):
             return [p]
         return list(p)
 
+    def unsupported(self) -> None:
+        super().unsupported()
+        self._check_count("logprobs", self.logprobs)
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ApiError(400, "max_tokens: 0 generates nothing, which is only useful with echo or prompt_logprobs "
+                                "(to score the prompt); ask for at least 1 token", "max_tokens")
+
+    def echo_log_probs(self) -> bool:
+        """Whether the `logprobs` of each choice start with the prompt's tokens (OpenAI's legacy echo)."""
+        return self.echo and self.logprobs is not None
+
+    def scored_prompt_logprobs(self) -> Optional[int]:
+        """The engine's prompt_logprobs: the alternatives `prompt_logprobs` asks for and those an echo
+        shows (`logprobs`); 0 for an echo of max_tokens=0, which the engine runs as scoring."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if wanted:
+            return max(wanted)
+        return 0 if self.echo and self.max_tokens == 0 else None
+
 
 class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id ...: handed to the chat template
@@ -279,6 +330,15 @@ class ChatCompletionRequest(_Common):
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: logprobs must be true when top_logprobs is given", "top_logprobs")
+        self._check_count("top_logprobs", self.top_logprobs)
+        if self.requested_max_tokens() == 0 and self.prompt_logprobs is None:
+            param = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+            raise ApiError(400, f"{param}: 0 generates nothing, which is only useful with prompt_logprobs (to score "
+                                "the prompt); ask for at least 1 token", param)
+
+    def requested_max_tokens(self) -> Optional[int]:
+        """max_completion_tokens (OpenAI's current name) over max_tokens; None: up to the context length."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
@@ -312,24 +372,12 @@ def finish_reason(out: RequestOutput) -> Optional[str]:
     return out.finish_reason if out.finished else None
 
 
-def _log_prob(value: float) -> float:
-    return value if math.isfinite(value) else MIN_LOG_PROB
-
-
 def completion_log_probs(tokenizer, items: list[TokenLogProbs], offset: int,
                          as_token_ids: bool = False) -> Optional[dict[str, Any]]:
     """The legacy completions `logprobs` object for the tokens in `items` (tokens as "token_id:N"
-    with `as_token_ids`, so a client gets the exact ids, as vLLM's return_tokens_as_token_ids)."""
-    if not items:
-        return None
-    tokens = [f"token_id:{lp.token_id}" if as_token_ids else tokenizer.decode([lp.token_id]) for lp in items]
-    offsets, at = [], offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [_log_prob(lp.log_prob) for lp in items],
-            "top_logprobs": [{tokenizer.decode([i]): _log_prob(v) for i, v in lp.top} for lp in items],
-            "text_offset": offsets}
+    with `as_token_ids`, so a client gets the exact ids, as vLLM's return_tokens_as_token_ids); an
+    echo's prompt tokens come first through `server_logprobs.legacy_log_probs`."""
+    return legacy_log_probs(tokenizer, items, offset, as_token_ids)
 
 
 def chat_log_probs(tokenizer, items: list[TokenLogProbs]) -> Optional[dict[str, Any]]:
@@ -338,7 +386,7 @@ def chat_log_probs(tokenizer, items: list[TokenLogProbs]) -> Optional[dict[str, 
 
     def entry(token_id: int, value: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": _log_prob(value), "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": finite_log_prob(value), "bytes": list(text.encode("utf-8", "replace"))}
 
     return {"content": [{**entry(lp.token_id, lp.log_prob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                         for lp in items]}

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from meshtron.inference.chat_template import render_chat
 from meshtron.inference.engine import LLMEngine
+from meshtron.inference.outputs import RequestOutput
 from meshtron.inference.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     chat_log_probs,
-    completion_log_probs,
     envelope,
     finish_reason,
     openapi_body,
@@ -31,6 +31,7 @@ from meshtron.inference.protocol import (
 from meshtron.inference.request import Request as EngineRequest
 from meshtron.inference.server_config import ServerConfig
 from meshtron.inference.server_limits import check_chat, check_completion, read_body
+from meshtron.inference.server_logprobs import EchoedPrompt, TokenTexts, legacy_log_probs, prompt_log_probs
 from meshtron.inference.server_streams import Run, client_closed, sse, stream_error
 
 if TYPE_CHECKING:
@@ -65,11 +66,13 @@ def prepare_completion(raw: bytes, engine: LLMEngine, cfg: ServerConfig, respons
     prompts = body.prompts()
     check_completion(body, prompts, cfg, engine.config.max_model_len)
     requests, echoes = [], []
+    scored = body.scored_prompt_logprobs()
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         token_ids = encode(engine.tokenizer, prompt, param) if isinstance(prompt, str) else list(prompt)
         for j in range(body.n):
-            params = body.sampling_params(body.max_tokens, 16, j, body.logprobs is not None, body.logprobs or 0)
+            params = body.sampling_params(body.max_tokens, 16, j, body.logprobs is not None, body.logprobs or 0,
+                                          scored)
             requests.append(engine.make_request(token_ids, params, f"{response_id}-{len(requests)}"))
         echo = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(token_ids)) if body.echo else ""
         echoes.extend([echo] * body.n)
@@ -86,11 +89,11 @@ def prepare_chat(raw: bytes, engine: LLMEngine, cfg: ServerConfig, response_id: 
     except Exception as e:  # a template that rejects the conversation
         raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
     token_ids = encode(engine.tokenizer, text, "messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, engine.config.max_model_len - len(token_ids))
     requests = []
     for j in range(body.n):
-        params = body.sampling_params(max_tokens, default_max, j, body.logprobs, body.top_logprobs or 0)
+        params = body.sampling_params(body.requested_max_tokens(), default_max, j, body.logprobs,
+                                      body.top_logprobs or 0, body.prompt_logprobs)
         params.stop = params.stop + extra_stop
         requests.append(engine.make_request(token_ids, params, f"{response_id}-{j}"))
     return body, requests
@@ -112,16 +115,13 @@ def install_completion_routes(app: FastAPI, state: ServerState) -> None:
         body, requests, echoes = await state.offload(prepare_completion, raw, engine, state.config, response_id)
         run = Run(engine, requests, request, state.metrics, body.n, response_id)
         if body.stream:
-            return sse(completion_chunks(run, body, echoes), run)
+            return sse(completion_chunks(run, body, echoes, state.offload), run)
         outputs = await run.collect()
         if outputs is None:
             return client_closed()
         if (failed := run.failed(outputs)) is not None:
             return failed
-        choices = [{"index": i, "text": echoes[i] + o.text, "finish_reason": o.finish_reason,
-                    "logprobs": completion_log_probs(engine.tokenizer, o.log_probs, len(echoes[i]),
-                                                     body.return_tokens_as_token_ids)}
-                   for i, o in enumerate(outputs)]
+        choices = await state.offload(completion_choices, engine.tokenizer, body, outputs, echoes)
         return JSONResponse(envelope("text_completion", response_id, engine.model_name, choices,
                                      {"usage": usage(outputs, body.n)}), headers={"x-request-id": response_id})
 
@@ -134,7 +134,7 @@ def install_completion_routes(app: FastAPI, state: ServerState) -> None:
         body, requests = await state.offload(prepare_chat, raw, engine, state.config, response_id)
         run = Run(engine, requests, request, state.metrics, body.n, response_id)
         if body.stream:
-            return sse(chat_chunks(run, body), run)
+            return sse(chat_chunks(run, body, state.offload), run)
         outputs = await run.collect()
         if outputs is None:
             return client_closed()
@@ -143,21 +143,65 @@ def install_completion_routes(app: FastAPI, state: ServerState) -> None:
         choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
                     "logprobs": chat_log_probs(engine.tokenizer, o.log_probs) if body.logprobs else None}
                    for i, o in enumerate(outputs)]
+        extra = await state.offload(chat_prompt_log_probs, engine.tokenizer, body, outputs[0])
         return JSONResponse(envelope("chat.completion", response_id, engine.model_name, choices,
-                                     {"usage": usage(outputs, body.n)}), headers={"x-request-id": response_id})
+                                     {"usage": usage(outputs, body.n), **extra}),
+                            headers={"x-request-id": response_id})
 
 
-async def completion_chunks(run: Run, body: CompletionRequest, echoes: list[str]) -> AsyncIterator[dict]:
-    engine, started = run.engine, set()
+def completion_choice(tokenizer, body: CompletionRequest, index: int, out: RequestOutput, echo: str,
+                      stream_offset: Optional[int] = None, opening: bool = True) -> dict[str, Any]:
+    """Choice `index` of a whole answer, or (with `stream_offset`, the text offset its next token
+    gets) of one streamed chunk, where only the `opening` chunk of a choice carries the echo, the
+    prompt's log probs and `prompt_logprobs`."""
+    whole = stream_offset is None
+    opening = whole or opening
+    items = out.log_probs if whole else out.new_log_probs
+    offset = len(echo) if whole else stream_offset
+    logprobs = None
+    if body.logprobs is not None:
+        echoed = None
+        if opening and body.echo_log_probs() and not out.error:
+            echoed = EchoedPrompt(out.prompt_token_ids, out.prompt_log_probs, echo)
+        logprobs = legacy_log_probs(tokenizer, items, offset, body.return_tokens_as_token_ids, echoed, body.logprobs)
+    choice = {"index": index, "text": (echo if opening else "") + (out.text if whole else out.new_text),
+              "finish_reason": finish_reason(out), "logprobs": logprobs}
+    if body.prompt_logprobs is not None and opening and not out.error:
+        choice["prompt_logprobs"] = prompt_log_probs(tokenizer, out.prompt_log_probs, body.prompt_logprobs)
+    return choice
+
+
+def completion_choices(tokenizer, body: CompletionRequest, outputs: list[RequestOutput],
+                       echoes: list[str]) -> list[dict[str, Any]]:
+    """In the thread pool: every choice of a whole answer (an echo's log probs cover the prompt)."""
+    return [completion_choice(tokenizer, body, i, out, echoes[i]) for i, out in enumerate(outputs)]
+
+
+def chat_prompt_log_probs(tokenizer, body: ChatCompletionRequest, out: RequestOutput) -> dict[str, Any]:
+    """vLLM's top-level `prompt_logprobs` of a chat answer (every choice shares the prompt), if asked."""
+    if body.prompt_logprobs is None or out.error:
+        return {}
+    return {"prompt_logprobs": prompt_log_probs(tokenizer, out.prompt_log_probs, body.prompt_logprobs)}
+
+
+Offload = Callable[..., Awaitable[Any]]
+
+
+async def completion_chunks(run: Run, body: CompletionRequest, echoes: list[str],
+                            offload: Optional[Offload] = None) -> AsyncIterator[dict]:
+    engine = run.engine
+    texts = TokenTexts(engine.tokenizer)
+    offsets: dict[int, int] = {}  # choice -> text offset of its next token: the token texts so far, added up
+    heavy = body.echo_log_probs() or body.prompt_logprobs is not None  # a whole prompt's log probs
     outputs = run.outputs()
     try:
         async for index, out in outputs:
-            text = out.new_text if index in started else echoes[index] + out.new_text
-            started.add(index)
-            offset = len(out.text) - len(out.new_text) + len(echoes[index])
-            choice = {"index": index, "text": text, "finish_reason": finish_reason(out),
-                      "logprobs": completion_log_probs(engine.tokenizer, out.new_log_probs, offset,
-                                                       body.return_tokens_as_token_ids)}
+            opening = index not in offsets
+            offset = offsets.get(index, len(echoes[index]))
+            offsets[index] = offset + sum(len(texts(lp.token_id)) for lp in out.new_log_probs)
+            args = (engine.tokenizer, body, index, out, echoes[index], offset, opening)
+            choice = await offload(completion_choice, *args) if opening and heavy and offload else \
+                completion_choice(*args)
             yield envelope("text_completion", run.response_id, engine.model_name, [choice])
             if (error := stream_error(run, out)) is not None:
                 yield error
@@ -168,18 +212,22 @@ async def completion_chunks(run: Run, body: CompletionRequest, echoes: list[str]
                        {"usage": usage(run.final, body.n)})
 
 
-async def chat_chunks(run: Run, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+async def chat_chunks(run: Run, body: ChatCompletionRequest, offload: Optional[Offload] = None) -> AsyncIterator[dict]:
     engine, started = run.engine, set()
     outputs = run.outputs()
     try:
         async for index, out in outputs:
             delta: dict[str, Any] = {"content": out.new_text}
+            extra: dict[str, Any] = {}
             if index not in started:
+                if not started:  # the stream's first chunk carries the prompt's log probs, if asked
+                    args = (engine.tokenizer, body, out)
+                    extra = await offload(chat_prompt_log_probs, *args) if offload else chat_prompt_log_probs(*args)
                 started.add(index)
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta, "finish_reason": finish_reason(out),
                       "logprobs": chat_log_probs(engine.tokenizer, out.new_log_probs) if body.logprobs else None}
-            yield envelope("chat.completion.chunk", run.response_id, engine.model_name, [choice])
+            yield envelope("chat.completion.chunk", run.response_id, engine.model_name, [choice], extra)
             if (error := stream_error(run, out)) is not None:
                 yield error
     finally:

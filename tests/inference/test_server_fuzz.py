@@ -49,7 +49,11 @@ PLAUSIBLE = {  # values of the right type, most in range, some at or past an edg
     "seed": st.one_of(st.integers(-(2**64), 2**64 + 5), st.sampled_from([2**63 - 1, 2**64 - 1, 2**64 - 2, -1])),
     "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1), "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 300), max_size=4), "logprobs_mode": st.sampled_from(["raw", "processed"]),
-    "max_tokens": st.integers(1, 24),
+    "max_tokens": st.integers(0, 24), "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.one_of(st.floats(0, 3), st.sampled_from([1e-300, 5e-324, 1e-30, 1e30, 1e300])),
+    "min_tokens": st.integers(-1, 30), "prompt_logprobs": st.integers(-1, 22),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-2, 300).map(str), texts),
+                                  st.one_of(st.floats(-150, 150), numbers), max_size=4),
 }
 COMPLETION = {**PLAUSIBLE, "logprobs": st.integers(0, 5), "echo": st.booleans(),
               "return_tokens_as_token_ids": st.booleans()}
