@@ -1,8 +1,10 @@
-"""Load with a hostile client: N good clients' completed count and p50/p99 latency with and without one
-client that loops over the requests that once broke the server (issue 16).
+"""Load with a hostile client: N good clients' completed count and p50/p99 latency with one client that
+loops over the requests that once broke the server (issue 16), against none and against a
+well-behaved client as busy.
 
-    python benchmarks/hostile_load.py [--clients 8] [--requests 25] [--max-tokens 32] [--pairs 3]
-                                      [--min-hostile-rounds 1] [--output benchmarks/results/hostile.json]
+    python benchmarks/hostile_load.py [--clients 8] [--requests 40] [--max-tokens 32] [--pairs 5]
+                                      [--cases WORD ...] [--no-control] [--server-args FLAGS] [--url URL]
+                                      [--output benchmarks/results/hostile.json]
 """
 
 import sys

@@ -42,9 +42,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/hostile_load.py", description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=8, help="well-behaved clients (each one request at a time)")
-    p.add_argument("--requests", type=int, default=25, help="requests of each good client per phase")
+    p.add_argument("--requests", type=int, default=40, help="requests of each good client per phase")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens of each good request (greedy, eos ignored)")
-    p.add_argument("--pairs", type=int, default=3, help="(A, B) phase pairs; ratios are medians over pairs")
+    p.add_argument("--pairs", type=int, default=5, help="rounds of the phases (A, B, C); ratios are medians over them")
     p.add_argument("--min-hostile-rounds", type=int, default=1,
                    help="phase B lasts until the hostile client has sent every case this many times")
     p.add_argument("--cases", nargs="+", default=None, metavar="WORD",

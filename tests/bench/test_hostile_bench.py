@@ -19,7 +19,7 @@ from tests.inference.server_helpers import live_server
 
 httpx = pytest.importorskip("httpx")
 
-TINY = ["--clients", "2", "--requests", "3", "--max-tokens", "4", "--pairs", "2", "--request-timeout", "60",
+TINY = ["--clients", "2", "--requests", "3", "--max-tokens", "4", "--pairs", "1", "--request-timeout", "60",
         "--hostile-timeout", "60"]
 MAX_LEN = 128
 
@@ -69,7 +69,7 @@ def test_hostile_benchmark_against_a_live_server(tmp_path, capsys):
     with live_server(engine(model, num_blocks=256, block_size=8)) as (url, _, _):
         assert main([*TINY, "--url", url, "--output", str(out)]) == 0
     data = json.loads(out.read_text())
-    check_consistent(data, clients=2, requests=3, pairs=2)
+    check_consistent(data, clients=2, requests=3, pairs=1)
     assert data["max_model_len"] == MAX_LEN and data["server_log"] is None
     # the reference texts: an independent full-recompute greedy decode of the same model (eos ignored)
     for prompt, text in data["expected_texts"].items():
@@ -129,9 +129,12 @@ def test_bad_flags_are_refused():
 def test_hostile_benchmark_starts_and_stops_its_own_server(tmp_path):
     out = tmp_path / "hostile.json"
     assert main(["--clients", "2", "--requests", "2", "--max-tokens", "4", "--pairs", "1", "--hidden-size", "32",
-                 "--layers", "1", "--ffn", "64", "--max-len", "128", "--no-control", "--output", str(out)]) == 0
+                 "--layers", "1", "--ffn", "64", "--max-len", "128", "--no-control",
+                 "--server-args=--max-body-bytes 1048576", "--output", str(out)]) == 0
     data = json.loads(out.read_text())
     check_consistent(data, clients=2, requests=2, pairs=1, names="AB")
+    # the flag reached the server: the 4 MB prompt is now over the body limit (413), not a long prompt (400)
+    assert set(data["hostile_cases"]["4 MB prompt"]["outcomes"]) == {"413"}
     assert data["server_exit_code"] == 0  # SIGTERM drained cleanly
     assert data["server_log"]["tracebacks"] == 0 and data["summary"]["hostile_failures"] == 0
     assert all(p["server"]["rss_mib"] > 0 for p in data["phases"])
