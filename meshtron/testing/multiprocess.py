@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks, fast and without the fork-after-OpenMP deadlock.
+"""Run a function on N ranks (gloo on the CPU, or NCCL with one GPU per rank), fast and without the
+fork-after-OpenMP deadlock.
 
 `run_ranks("pkg.module:function", world_size, **kwargs)` starts one fresh launcher interpreter
 (`python -m meshtron.testing.multiprocess`), which imports torch and the target module but runs no
@@ -14,6 +15,12 @@ or glibc, not a Python error, a hang or a wrong number) gets the whole run repea
 warning that carries the crash's output (every thread's Python stack, from faulthandler); a second
 crash fails. CI saw one such crash (glibc heap-corruption abort in gloo-backed TP training) that 80
 reruns could not reproduce.
+
+Backends: by default the ranks see no GPU (CUDA_VISIBLE_DEVICES is emptied), so every test runs gloo
+on the CPU on any machine, as CI does. MESHTRON_TEST_BACKEND=nccl runs the same tests on a machine
+with at least as many GPUs as ranks: rank r gets cuda:r (LOCAL_RANK=r), the trainer's `auto` device
+picks CUDA and NCCL, and tests that start their own groups ask `rank_backend()`/`rank_device_type()`.
+With fewer GPUs, run_ranks skips the test under pytest (else raises BackendUnavailable), in one line.
 """
 
 from __future__ import annotations
@@ -41,6 +48,44 @@ class RankError(str):
     """What a failed rank left instead of a result (its traceback, or why there is none)."""
 
 
+class BackendUnavailable(RuntimeError):
+    """MESHTRON_TEST_BACKEND asks for a backend this machine cannot run with that many ranks."""
+
+
+BACKEND_ENV = "MESHTRON_TEST_BACKEND"
+
+
+def rank_backend() -> str:
+    """The backend of the ranks' process groups: "gloo" (the default) or "nccl" (MESHTRON_TEST_BACKEND)."""
+    name = os.environ.get(BACKEND_ENV, "").strip().lower() or "gloo"
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"{BACKEND_ENV}={name!r} is not a test backend; use gloo (the default) or nccl")
+    return name
+
+
+def rank_device_type() -> str:
+    """The device type of the ranks' tensors and meshes: "cpu" under gloo, "cuda" under nccl."""
+    return "cuda" if rank_backend() == "nccl" else "cpu"
+
+
+def _backend_env(world_size: int) -> dict[str, str]:
+    """Environment of the launcher for the chosen backend; refuses NCCL without a GPU per rank."""
+    if rank_backend() == "gloo":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < world_size or not torch.distributed.is_nccl_available():
+        message = (f"{BACKEND_ENV}=nccl: {world_size} ranks need {world_size} GPUs and NCCL; this machine has "
+                   f"{gpus} GPU(s){'' if torch.distributed.is_nccl_available() else ' and no NCCL'}")
+        if "pytest" in sys.modules:
+            import pytest
+
+            pytest.skip(message)
+        raise BackendUnavailable(message)
+    return {}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,6 +104,7 @@ def run_ranks(target: str, world_size: int, timeout_s: float = 120.0, env: dict[
     With allow_failures, a failed rank's entry is a RankError instead of raising RankFailure. A run in
     which a rank crashed natively is repeated once (see the module docstring).
     """
+    env = {**_backend_env(world_size), **(env or {})}
     try:
         return _run_ranks_once(target, world_size, timeout_s, env, allow_failures, kwargs)
     except _NativeCrash as crash:
@@ -118,6 +164,8 @@ def _run_rank(rank: int, spec: dict[str, Any], port: int) -> None:
 
     faulthandler.enable()  # a native crash prints every thread's Python stack to the launcher's stderr
     torch.set_num_threads(1)
+    if rank_backend() == "nccl":
+        torch.cuda.set_device(rank)  # before any CUDA work: one GPU per rank, as torchrun's LOCAL_RANK
     out = Path(spec["out"])
     try:
         module, name = spec["target"].split(":")
