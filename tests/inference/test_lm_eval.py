@@ -6,7 +6,8 @@ offline), converted to a meshtron checkpoint and served on 127.0.0.1; lm-eval sc
 task. Local tasks: the jsonl files beside this file, task YAMLs written per run. Every log-likelihood
 lm-eval computed equals the sum of transformers' log-softmax over the same token ids on the same
 weights (within 1e-4), its is_greedy transformers' argmax, and every generation transformers' greedy
-output. The multiple-choice task is the default suite's representative; the others are slow."""
+output. All four share one in-thread server (seconds each); the documented command lines, a
+`meshtron serve` process and the `lm_eval` CLI (whose start-up indexes every task it ships), are slow."""
 
 from __future__ import annotations
 
@@ -184,7 +185,6 @@ def test_multiple_choice_loglikelihoods_equal_transformers(server, tiny):
     assert len(samples) == 8 and worst < ATOL and correct < len(samples)  # a random model: not all right
 
 
-@pytest.mark.slow
 def test_perplexity_loglikelihoods_equal_transformers(server, tiny):
     """loglikelihood_rolling: the whole text scored after the end token (one window each)."""
     samples = evaluate(server, tiny, "meshtron_ppl")
@@ -198,7 +198,6 @@ def test_perplexity_loglikelihoods_equal_transformers(server, tiny):
     assert len(samples) == 6
 
 
-@pytest.mark.slow
 def test_generate_until_equals_transformers_greedy(server, tiny):
     samples = evaluate(server, tiny, "meshtron_gen")
     model, tok = tiny["model"], tiny["tokenizer"]
@@ -209,7 +208,6 @@ def test_generate_until_equals_transformers_greedy(server, tiny):
     assert len(samples) == 6 and any(s["resps"][0][0] for s in samples)  # not all empty
 
 
-@pytest.mark.slow
 def test_chat_generate_until_equals_transformers_greedy(server, tiny):
     """local-chat-completions: the server renders the tokenizer's chat template, as transformers does."""
     samples = evaluate(server, tiny, "meshtron_chat", chat=True)
