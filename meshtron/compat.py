@@ -16,6 +16,10 @@ whose shapes depend on data (MoE routing) takes a static-shaped path then.
 rows offs[g-1]:offs[g] by w[g]. Measured on torch 2.13 (CPU): fp32/bf16/fp16 work forward and backward,
 fp64 is refused, every row stride must be a multiple of 16 bytes, and backward fails on an expanded
 (stride 0) output gradient, so the output passes through `_contiguous_grad`.
+
+`sdpa_block_forward` / `sdpa_block_backward`: one attention block and its log-sum-exp through the fused
+SDPA kernels' private ops (`aten._scaled_dot_product_flash_attention_for_cpu[_backward]`, on CUDA
+`aten._scaled_dot_product_{flash,efficient}_attention[_backward]`), for ring attention.
 """
 
 from __future__ import annotations
@@ -90,3 +94,142 @@ def schedule_micro_batch() -> int | None:
             return int(frame.f_locals["fwd_chunk_id"])
         frame = frame.f_back
     return None
+
+
+# ---- attention blocks with their log-sum-exp (ring attention) ---------------------------------------
+# The fused SDPA kernels that also return the per-row log-sum-exp, and their backward ops: the CPU flash
+# kernel (`_scaled_dot_product_flash_attention_for_cpu`: fp32/fp64/bf16/fp16, grouped-query heads, an additive
+# mask of q's dtype; a fully masked row comes back as out 0, lse 0; a zero-length block crashes the process),
+# and on CUDA flash attention (bf16/fp16, no mask) or memory-efficient attention (fp32 too, an additive bias
+# whose rows are padded to 16 elements; its lse has its rows padded to a multiple of 32). Both CUDA kernels get
+# equal head counts (k/v repeated) and equal q/k/v head widths, padded with zeros to a multiple of 8.
+
+_SDPA_LSE_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                    "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def sdpa_lse_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `sdpa_block_forward`/`sdpa_block_backward` run for these operands."""
+    ok = q.dtype in _SDPA_LSE_DTYPES.get(q.device.type, ()) and q.dtype == k.dtype == v.dtype
+    return ok and q.shape[1] % k.shape[1] == 0 and min(q.shape[2], k.shape[2]) > 0
+
+
+def sdpa_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool = False,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale q k^T [+ mask]) v and its log-sum-exp for one block, through a fused kernel.
+
+    q (b, h, n, d), k (b, kvh, m, d), v (b, kvh, m, dv) of one dtype; mask: None or bool broadcastable to
+    (b, 1, n, m), True where the query may see the key; is_causal: the causal mask of a square block (no
+    tensor). -> out (b, h, n, dv) in q's dtype, lse (b, h, n) in fp32 (fp64 for fp64 inputs); a row that
+    sees no key gets out 0 and lse -inf. Memory: the kernel's tiles, plus the additive mask when given."""
+    n, width = q.shape[2], v.shape[-1]
+    q, k, v = _equal_head_widths(q, k, v)
+    bias = None if mask is None else _additive_mask(mask, q.dtype)
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias,
+                                                                    scale=scale)
+    else:
+        k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+        if _cuda_flash(q, bias):
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+        else:
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(bias, q), True, 0.0,
+                                                                    is_causal, scale=scale)[:2]
+            lse = lse[..., :n]
+    out, lse = out[..., :width], lse.to(torch.promote_types(q.dtype, torch.float32))
+    if mask is not None:  # the kernels disagree about rows that see nothing (CPU: lse 0): make them (0, -inf)
+        seen = mask.any(-1)  # (b or 1, 1, n)
+        lse = lse.masked_fill(~seen, float("-inf"))
+        out = out.masked_fill(~seen[..., None], 0.0)
+    return out, lse
+
+
+def sdpa_block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, *, scale: float, is_causal: bool = False,
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block in q's dtype, given the FINAL statistics of its query rows: out (b, h, n, dv)
+    the whole attention output (q's dtype) and lse (b, h, n) its log-sum-exp over all keys (+inf for a row
+    that sees no key). The kernels form p = exp(scale q k^T - lse), this block's share of the final
+    probabilities, and delta = rowsum(grad_out * out), so the blocks' gradients sum to the exact ones."""
+    d, width, kv_heads, n, m = q.shape[-1], v.shape[-1], k.shape[1], q.shape[2], k.shape[2]
+    q, k, v = _equal_head_widths(q, k, v)
+    grad_out, out = _pad_last(grad_out, q.shape[-1]), _pad_last(out, q.shape[-1])
+    lse = lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous()  # the kernels index it as (b, h, n)
+    bias = None if mask is None else _additive_mask(mask, q.dtype)
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
+    else:
+        k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+        seed, offset = _rng_placeholders(_cuda_flash(q, bias), q.device)
+        if _cuda_flash(q, bias):
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                grad_out, q, k, v, out, lse, None, None, n, m, 0.0, is_causal, seed, offset, scale=scale)
+        else:
+            rows = -(-n // 32) * 32
+            lse = torch.nn.functional.pad(lse, (0, rows - n), value=float("inf")) if rows > n else lse
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                grad_out, q, k, v, _cuda_bias(bias, q), out, lse, seed, offset, 0.0,
+                [True, True, True, False], is_causal, scale=scale)
+        dk, dv = _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
+    return dq[..., :d], dk[..., :d], dv[..., :width]
+
+
+def _equal_head_widths(q, k, v):
+    """Pad q, k and v with zero columns to one head width (a multiple of 8 on CUDA): q.k and p v unchanged."""
+    width = max(q.shape[-1], v.shape[-1])
+    if q.device.type != "cpu":
+        width = -(-width // 8) * 8
+    return _pad_last(q, width), _pad_last(k, width), _pad_last(v, width)
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _cuda_flash(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (bias is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def _cuda_bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The additive mask as memory-efficient attention reads it: rows padded to 16 elements, (b, h, n, m)."""
+    if bias is None:
+        return None
+    _, _, n, m = bias.shape
+    padded = bias.new_zeros(bias.shape[0], 1, n, -(-m // 16) * 16)
+    padded[..., :m] = bias
+    return padded[..., :m].expand(q.shape[0], q.shape[1], n, m)
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, kvh, m, d) -> (b, heads, m, d): query head i uses kv head i // (heads // kvh)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, heads, m, d = t.shape
+    return t if heads == kv_heads else t.view(b, kv_heads, heads // kv_heads, m, d).sum(2)
+
+
+_RNG_PLACEHOLDERS: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rng_placeholders(flash: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (philox seed, philox offset) the CUDA backward ops take: unused without dropout, but of the kind
+    their forward returns, so they are taken from one tiny forward per kernel and device."""
+    key = (flash, device)
+    if key not in _RNG_PLACEHOLDERS:
+        aten = torch.ops.aten
+        x = torch.zeros(1, 1, 8, 8, device=device, dtype=torch.bfloat16 if flash else torch.float32)
+        if flash:
+            _RNG_PLACEHOLDERS[key] = tuple(aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)[6:8])
+        else:
+            _RNG_PLACEHOLDERS[key] = tuple(aten._scaled_dot_product_efficient_attention(x, x, x, None, True)[2:4])
+    return _RNG_PLACEHOLDERS[key]
