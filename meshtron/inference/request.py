@@ -90,6 +90,8 @@ class SamplingParams:
     MAX_TOP_LOG_PROBS = 20
     MAX_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as the OpenAI API
     MAX_LOGIT_BIAS = 100.0  # biases in [-100, 100], as the OpenAI API
+    # Outside this a logit divided or multiplied by the penalty overflows float32 (1e-300 gave inf).
+    REPETITION_PENALTY_RANGE = (0.01, 100.0)
     # Below this a temperature is refused (0 is greedy): sampling there is the argmax in all but name,
     # and far smaller values break the fp32 softmax (1e-300 is 0 in fp32: x / 0 gives inf and NaN).
     MIN_TEMPERATURE = 1e-3
@@ -148,8 +150,9 @@ class SamplingParams:
             value = getattr(self, name)
             need(_is_number(value) and abs(value) <= self.MAX_PENALTY, name,
                  f"{value!r} is not allowed; must be in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}]")
-        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-             f"{self.repetition_penalty!r} is not allowed; must be a finite number > 0 (1 is off)")
+        low, high = self.REPETITION_PENALTY_RANGE
+        need(_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+             f"{self.repetition_penalty!r} is not allowed; must be in [{low:g}, {high:g}] (1 is off)")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"{self.min_tokens!r} is not allowed; must be an integer in [0, max_tokens]")
         need(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")

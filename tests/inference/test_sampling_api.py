@@ -105,6 +105,8 @@ def test_penalties_change_greedy_output_as_the_reference_loop(model):
     (SamplingParams(presence_penalty=2.5), "presence_penalty"),
     (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
     (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+    (SamplingParams(repetition_penalty=1e-300), "repetition_penalty"),
+    (SamplingParams(repetition_penalty=1e300), "repetition_penalty"),
     (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
     (SamplingParams(logit_bias={3: 101.0}), "logit_bias"),
     (SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
