@@ -168,7 +168,7 @@ class _Common(_Strict):
     MAX_LOG_PROBS: ClassVar[int] = SamplingParams.MAX_TOP_LOG_PROBS
     # A positive logit is divided by the penalty: far below 1 it overflows float32 (1e-300 made every
     # such logit inf, a 500), far above it means nothing more; these bounds keep it a finite factor.
-    REPETITION_PENALTY_RANGE: ClassVar[tuple[float, float]] = (0.01, 100.0)
+    REPETITION_PENALTY_RANGE: ClassVar[tuple[float, float]] = SamplingParams.REPETITION_PENALTY_RANGE
 
     @field_validator("stop", mode="before")
     @classmethod
