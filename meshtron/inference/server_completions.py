@@ -30,7 +30,7 @@ from meshtron.inference.protocol import (
 )
 from meshtron.inference.request import Request as EngineRequest
 from meshtron.inference.server_config import ServerConfig
-from meshtron.inference.server_limits import check_chat, check_completion, read_body
+from meshtron.inference.server_limits import check_chat, check_completion, check_list_lengths, read_body
 from meshtron.inference.server_logprobs import EchoedPrompt, TokenTexts, legacy_log_probs, prompt_log_probs
 from meshtron.inference.server_streams import Run, client_closed, sse, stream_error
 
@@ -40,9 +40,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("meshtron.server")
 
 
-def parse_request(model_cls, raw: bytes, served: str):
+def parse_request(model_cls, raw: bytes, served: str, cfg: Optional[ServerConfig] = None, max_model_len: int = 0):
     """Body bytes -> a validated request for the served model (404 for another model's name)."""
     data = parse_body(raw)
+    if cfg is not None:  # long lists are refused by their length before the field-by-field validation
+        check_list_lengths(data, cfg, max_model_len)
     model = data.get("model")
     if isinstance(model, str) and model and model != served:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`", "model",
@@ -62,7 +64,7 @@ def encode(tokenizer, text: str, param: str) -> list[int]:
 def prepare_completion(raw: bytes, engine: LLMEngine, cfg: ServerConfig, response_id: str
                        ) -> tuple[CompletionRequest, list[EngineRequest], list[str]]:
     """In the thread pool: the engine requests (n per prompt, in order) and each choice's echo."""
-    body = parse_request(CompletionRequest, raw, engine.model_name)
+    body = parse_request(CompletionRequest, raw, engine.model_name, cfg, engine.config.max_model_len)
     prompts = body.prompts()
     check_completion(body, prompts, cfg, engine.config.max_model_len)
     requests, echoes = [], []
@@ -81,7 +83,7 @@ def prepare_completion(raw: bytes, engine: LLMEngine, cfg: ServerConfig, respons
 
 def prepare_chat(raw: bytes, engine: LLMEngine, cfg: ServerConfig, response_id: str
                  ) -> tuple[ChatCompletionRequest, list[EngineRequest]]:
-    body = parse_request(ChatCompletionRequest, raw, engine.model_name)
+    body = parse_request(ChatCompletionRequest, raw, engine.model_name, cfg, engine.config.max_model_len)
     check_chat(body, cfg, engine.config.max_model_len)
     try:
         text, extra_stop = render_chat([m.model_dump() for m in body.messages],

@@ -39,6 +39,29 @@ def _need(ok: bool, param: str, message: str) -> None:
         raise ApiError(400, f"{param}: {message}", param)
 
 
+def check_list_lengths(data: Any, cfg: ServerConfig, max_model_len: int) -> None:
+    """On the parsed JSON, before validation: a list longer than its limit is refused by its length
+    alone (validating 100k stop strings first cost ~1 s of the interpreter per request)."""
+    if not isinstance(data, dict):
+        return
+    for param, limit, flag in (("stop", cfg.max_stop, "--max-stop"),
+                               ("stop_token_ids", cfg.max_stop_token_ids, "--max-stop-token-ids")):
+        value = data.get(param)
+        _need(not isinstance(value, list) or len(value) <= limit, param,
+              f"{len(value) if isinstance(value, list) else 0} entries is more than {limit} ({flag})")
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt[:1]):  # token ids: one prompt
+            _need(len(prompt) <= max_model_len, "prompt",
+                  f"{len(prompt)} tokens exceed the context length {max_model_len}")
+        else:
+            _need(len(prompt) <= cfg.max_prompts, "prompt",
+                  f"{len(prompt)} prompts is more than {cfg.max_prompts} (--max-prompts)")
+    messages = data.get("messages")
+    _need(not isinstance(messages, list) or len(messages) <= max_model_len, "messages",
+          f"{len(messages) if isinstance(messages, list) else 0} messages cannot fit the context length {max_model_len}")
+
+
 def check_common(body: CompletionRequest | ChatCompletionRequest, cfg: ServerConfig) -> None:
     _need(1 <= body.n <= cfg.max_n, "n", f"{body.n} is not allowed; must be in [1, {cfg.max_n}] (--max-n)")
     _need(len(body.stop) <= cfg.max_stop, "stop",

@@ -138,3 +138,22 @@ def test_every_limit_is_documented_with_its_flag_and_default():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 3, f"docs/serving.md has no row for --{f.name}"
         assert int(cells[1].split()[0].replace(",", "")) == f.default and cells[2] == f.metadata["help"], row
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "stop": ["x"] * 3}, "stop"),
+    ({"prompt": "a", "stop_token_ids": [1] * 4}, "stop_token_ids"),
+    ({"prompt": ["a"] * 4}, "prompt"),
+    ({"prompt": [1] * (MAX_LEN + 1)}, "prompt"),
+])
+def test_long_lists_are_refused_before_validation(client, body, param, monkeypatch):
+    """The hostile-load benchmark's slowest cases (100k stop strings, 1,000 prompts) cost a field-by-field
+    validation of the whole list before the limit refused them; now their length alone refuses them."""
+    from meshtron.inference import protocol
+
+    def never(*args, **kwargs):
+        raise AssertionError("validated a body whose list was over its limit")
+
+    monkeypatch.setattr(protocol.CompletionRequest, "model_validate", never)
+    r = client.post("/v1/completions", json={"max_tokens": 1, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
