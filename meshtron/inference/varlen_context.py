@@ -8,7 +8,7 @@ and attention is split by the context's own `attend` (see `nn.attention_core.att
   within a factor `BUCKET_RATIO` of each other; each bucket gathers its key/value blocks, padded only
   to the bucket's longest context, and runs one batched attention with queries of length 1;
 - each prefill chunk attends alone to its own blocks (causal from its start position).
-With `decode_attention` (engine.compile_decode_attention or engine.native_decode_attention) the
+With a `decode_attention` function (engine.decode_attention compiled or native; native is the CPU default) the
 decodes form one bucket, which calls that function on the cache tensors and block table instead of
 gathering (see `fused_attention`, `native_attention`): the compiled kernel's padded key blocks all
 read the one scratch block, which stays in the CPU cache, the native kernel skips them, and one call
