@@ -111,41 +111,57 @@ def _dense_mask(block: Block, n: int, m: int, device: torch.device) -> Optional[
     return block.mask
 
 
-def math_block_forward(q, k, v, mask, scale):
-    """The fp32 reference: q (b, h, n, d), k (b, kvh, m, d), v (b, kvh, m, dv), mask bool (b or 1, 1, n, m)
-    or None -> (o (b, h, n, dv), lse (b, h, n)). A row that sees no key gets o = 0 and lse = -inf."""
-    b, heads, n, _ = q.shape
-    kv_heads = k.shape[1]
-    qg = q.float().reshape(b, kv_heads, heads // kv_heads, n, -1)  # query head h uses kv head h // group
-    logits = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale  # (b, kvh, g, n, m)
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain fp32 math of one block: fp32 q (b, kvh, g, n, d), k (b, kvh, 1, m, d), v (b, kvh, 1, m, dv),
+    mask bool broadcastable to (b, kvh, g, n, m) or None -> (o (b, kvh, g, n, dv), lse (b, kvh, g, n)).
+    A row that sees no key gets o = 0 and lse = -inf."""
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
-        logits = logits.masked_fill(~mask.unsqueeze(2), NEG_INF)
+        logits = logits.masked_fill(~mask, NEG_INF)
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = row_max.masked_fill(row_max == NEG_INF, 0.0)  # fully masked rows: exp(-inf - 0) = 0
     probs = torch.exp(logits - row_max)
     denom = probs.sum(dim=-1, keepdim=True)
-    out = torch.matmul(probs, v.float().unsqueeze(2)) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
-    return out.reshape(b, heads, n, -1), (denom.log() + row_max).reshape(b, heads, n)
+    out = torch.matmul(probs, v) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
+    return out, (denom.log() + row_max).squeeze(-1)
 
 
-def math_block_backward(d_out, q, k, v, out, lse, mask, scale):
-    """The fp32 reference gradient of one block given the final per-row out and lse: (dq, dk, dv) shaped
-    like q (b, h, n, d), k (b, kvh, m, d) and v (b, kvh, m, dv)."""
-    b, heads, n, _ = q.shape
-    kv_heads = k.shape[1]
-    group = (b, kv_heads, heads // kv_heads, n, -1)
-    qg, d_out_g = q.float().reshape(group), d_out.float().reshape(group)
-    delta = (d_out_g * out.float().reshape(group)).sum(-1)
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
-    logits = torch.matmul(qg, kf.transpose(-1, -2)) * scale
+def block_backward(q, k, v, d_out, lse, delta, mask, scale):
+    """Gradient of one block (plain fp32 math) given the final per-row lse and delta = sum(dO * O): (dq, dk, dv),
+    fp32, shaped like q (b, kvh, g, n, d), k (b, kvh, m, d) and v (b, kvh, m, dv)."""
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
-        logits = logits.masked_fill(~mask.unsqueeze(2), NEG_INF)
-    probs = torch.exp(logits - lse.reshape(group[:4])[..., None])  # the final probabilities of this block's keys
-    dv = torch.einsum("bhgnm,bhgnd->bhmd", probs, d_out_g)
-    dlogits = probs * (torch.matmul(d_out_g, vf.transpose(-1, -2)) - delta[..., None])
-    dq = torch.matmul(dlogits, kf) * scale
-    dk = torch.einsum("bhgnm,bhgnd->bhmd", dlogits, qg) * scale
-    return dq.reshape(b, heads, n, -1), dk, dv
+        logits = logits.masked_fill(~mask, NEG_INF)
+    probs = torch.exp(logits - lse[..., None])  # the final probabilities of this block's keys
+    dv = torch.einsum("bhgnm,bhgnd->bhmd", probs, d_out)
+    dlogits = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta[..., None])
+    dq = torch.matmul(dlogits, k) * scale
+    dk = torch.einsum("bhgnm,bhgnd->bhmd", dlogits, q) * scale
+    return dq, dk, dv
+
+
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """fp32 (b, heads, n, ...) -> (b, kv_heads, heads // kv_heads, n, ...): query head h uses kv head h // group."""
+    return t.float().reshape(t.shape[0], kv_heads, t.shape[1] // kv_heads, *t.shape[2:])
+
+
+def _math_forward(q, k, v, mask, scale):
+    """block_forward on (b, h, n, d) queries, (b, kvh, m, d) keys, mask (b or 1, 1, n, m) -> ((b, h, n, dv), (b, h, n))."""
+    kv_heads = k.shape[1]
+    out, lse = block_forward(_grouped(q, kv_heads), k.float().unsqueeze(2), v.float().unsqueeze(2),
+                             None if mask is None else mask.unsqueeze(2), scale)
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _math_backward(d_out, q, k, v, out, lse, mask, scale):
+    """block_backward for the layouts of _math_forward, given the final out and lse of the query rows."""
+    kv_heads = k.shape[1]
+    d_out_g = _grouped(d_out, kv_heads)
+    delta = (d_out_g * _grouped(out, kv_heads)).sum(-1)
+    dq, dk, dv = block_backward(_grouped(q, kv_heads), k.float().unsqueeze(2), v.float().unsqueeze(2), d_out_g,
+                                _grouped(lse, kv_heads), delta, None if mask is None else mask.unsqueeze(2), scale)
+    return dq.flatten(1, 2), dk, dv
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
@@ -225,7 +241,7 @@ def _ring_forward(layout: RingLayout, q, k, v, scale, window_size, kernels: bool
             if kernels:
                 o_b, lse_b = sdpa_block_forward(q_b, k_b, v_b, scale=scale, is_causal=block.causal, mask=block.mask)
             else:
-                o_b, lse_b = math_block_forward(q_b, k_b, v_b, _dense_mask(block, q_b.shape[2], k_b.shape[2],
+                o_b, lse_b = _math_forward(q_b, k_b, v_b, _dense_mask(block, q_b.shape[2], k_b.shape[2],
                                                                           q.device), scale)
             out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o_b.to(acc), lse_b.to(acc))
         if pending is not None:
@@ -249,7 +265,7 @@ def _ring_backward(layout: RingLayout, q, k, v, d_out, out, lse, scale, window_s
             if kernels:
                 grads = sdpa_block_backward(*args, scale=scale, is_causal=block.causal, mask=block.mask)
             else:
-                grads = math_block_backward(*args, _dense_mask(block, args[1].shape[2], args[2].shape[2], q.device),
+                grads = _math_backward(*args, _dense_mask(block, args[1].shape[2], args[2].shape[2], q.device),
                                             scale)
             dq[:, :, qs] += grads[0]
             dk[:, :, ks] += grads[1]
