@@ -84,16 +84,25 @@ class Position:
         return f"{self.activity} {self.step}, phase {self.phase}"
 
 
+# the trainer's activities in the order they happen within one step number
+ACTIVITY_ORDER = ("training step", "straggler report at step", "evaluation after step", "checkpoint save at step")
+
+
+def progress(p: Position) -> tuple[int, int, int, int]:
+    """How far a rank has come: (step, activity within the step, inside (0) or after (1) it, phase changes)."""
+    if p.activity == IDLE:  # "after <activity> <step>", or "before the first step"
+        done = [i for i, name in enumerate(ACTIVITY_ORDER) if p.phase.startswith(f"after {name} ")]
+        return (p.step, done[0], 1, 0) if done else (p.step, -1, 1, 0)
+    order = ACTIVITY_ORDER.index(p.activity) if p.activity in ACTIVITY_ORDER else len(ACTIVITY_ORDER)
+    return p.step, order, 0, p.beats
+
+
 def behind(seen: dict[int, Optional[Position]]) -> list[int]:
-    """Ranks behind the others: never reported, at an earlier step, or in the same activity and step
-    with fewer phase changes than the furthest rank there."""
-    known = {r: p for r, p in seen.items() if p is not None}
-    if not known:
-        return sorted(seen)
-    last = max(p.step for p in known.values())
-    most = max((p.beats for p in known.values() if p.step == last and p.activity != IDLE), default=0)
-    return sorted(r for r, p in seen.items() if p is None or p.step < last or (
-        p.step == last and p.activity != IDLE and p.beats < most))
+    """Ranks behind the furthest one: never reported, or less far (an earlier step or activity, or
+    fewer phase changes in the same one). Ranks waiting at the same collective are equally far."""
+    known = {r: progress(p) for r, p in seen.items() if p is not None}
+    furthest = max(known.values(), default=None)
+    return sorted(r for r in seen if r not in known or known[r] < furthest)
 
 
 class Watchdog:
@@ -228,11 +237,11 @@ class Watchdog:
         self._reported = where
         try:
             seen = self.heartbeats()
-        except Exception:
-            seen = {}
-        late = behind(seen) if seen else []
-        who = (f"rank(s) {late} are behind the others" if late else
-               "no rank is behind the others (a rank may have died, or the collectives do not match)")
+            late = behind(seen)
+            who = (f"rank(s) {late} are behind the others" if late else
+                   "no rank is behind the others (a rank may have died, or the collectives do not match)")
+        except Exception:  # the store lives on rank 0
+            seen, who = {}, "the key-value store is unreachable (rank 0 may have ended)"
         every = "; ".join(f"rank {r}: " + (p.describe() if p else "never reported") for r, p in sorted(seen.items()))
         line = (f"meshtron watchdog: rank {self.rank} made no progress for {stalled:.0f}s in {where.describe()}: "
                 f"{who}. Last seen: {every}. (A report only: under NCCL its watchdog ends the run at "

@@ -64,11 +64,19 @@ def test_early_report_names_the_rank_behind_and_heartbeats_leave_the_training_th
         assert "in stalled_rank" in out["stacks"]  # and its stack
 
 
-def test_behind_orders_ranks_by_step_then_phase():
+def test_behind_orders_ranks_by_step_activity_and_phase():
     from meshtron.parallel.watchdog import IDLE, Position, behind
 
-    step = lambda s, beats: Position("training step", s, "p", beats)  # noqa: E731
-    assert behind({0: step(2, 5), 1: step(2, 5)}) == []
-    assert behind({0: step(2, 5), 1: step(2, 3), 2: step(2, 5)}) == [1]
-    assert behind({0: step(3, 1), 1: Position(IDLE, 2, "after training step 2", 0)}) == [1]
-    assert behind({0: step(3, 1), 1: None}) == [1]  # never reported
+    def at(activity: str, step: int, beats: int = 0) -> Position:
+        return Position(activity, step, "p", beats)
+
+    def after(activity: str, step: int) -> Position:
+        return Position(IDLE, step, f"after {activity} {step}", 0)
+
+    assert behind({0: at("training step", 2, 5), 1: at("training step", 2, 5)}) == []  # waiting at one collective
+    assert behind({0: at("training step", 2, 5), 1: at("training step", 2, 3), 2: at("training step", 2, 5)}) == [1]
+    assert behind({0: at("training step", 3, 1), 1: after("training step", 2)}) == [1]
+    assert behind({0: after("training step", 3), 1: at("training step", 3, 9)}) == [1]  # 0 finished the step
+    assert behind({0: at("evaluation after step", 3, 1), 1: after("training step", 3)}) == [1]
+    assert behind({0: at("training step", 1, 2), 1: Position(IDLE, 0, "before the first step", 0)}) == [1]
+    assert behind({0: at("training step", 3, 1), 1: None}) == [1]  # never reported

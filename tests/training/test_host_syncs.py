@@ -128,6 +128,32 @@ def test_mtp_extras_add_no_read_per_micro_batch(tmp_path):
     assert len(one) == len(four) <= MAX_READS, f"{one}\n{four}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_syncs_per_step_do_not_grow_with_micro_batches(tmp_path):
+    """On a GPU, CUDA's own sync detector (set_sync_debug_mode) sees as many synchronizing calls in a
+    step of 4 micro-batches as in a step of 1."""
+    import warnings
+
+    from meshtron.training import Trainer
+
+    def syncs(m: int) -> list[str]:
+        trainer = Trainer(_config(tmp_path / str(m), m, **{"train.device": "cuda"}))
+        trainer.train_step(trainer.loader.next_global_batch())
+        batch = trainer.loader.next_global_batch()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+    one, four = syncs(1), syncs(4)
+    assert len(one) == len(four), f"{one}\n{four}"
+
+
 @contextmanager
 def count_calls(owner, name: str):
     counts = collections.Counter()
