@@ -3,8 +3,9 @@
 
 The host part of a step: gradients device -> host into host buffers, the CPU optimizer steps on
 host copies of those parameters, the new values host -> device. With overlap, each host parameter's
-gradient copy starts during backward, from a post-accumulate-grad hook (on CUDA queued on a side
-stream after the gradient is ready; on the CPU a plain copy); at the step a copy is used if the
+gradient copy starts during backward of the step's last micro-batch (one copy per step), from a
+post-accumulate-grad hook (on CUDA queued on a side stream after the gradient is ready, into pinned
+buffers so that the copy is asynchronous; on the CPU a plain copy); at the step a copy is used if the
 gradient has not changed since (same tensor, same version: no later micro-batch accumulated into it,
 clipping did not scale it), else it is copied again, so results do not depend on it. Parameters
 managed by FSDP/HSDP (DTensors on a data-parallel mesh axis) copy at the step only: their gradient
@@ -17,7 +18,8 @@ optimizer's, so results match it (bit for bit when the device is the CPU).
 This is one `torch.optim.Optimizer` over the model's own parameters: the trainer sets the learning
 rate on `param_groups`, and checkpoints see per-parameter state keyed by the model's parameters (the
 host states are the very dicts the CPU optimizers update). Host copies are refreshed from the model
-whenever a parameter changed outside this optimizer (a checkpoint load writes into it).
+whenever a parameter changed outside this optimizer (a checkpoint load writes into it); loaded host
+states go straight into host memory, never through the device.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ class _HostParam:
 
     def __init__(self, param: torch.nn.Parameter, pin: bool):
         self.param = param
-        value = local(param).detach().to("cpu", copy=True)
-        self.master = value.pin_memory() if pin else value
-        self.grad_buffer = torch.empty_like(self.master)
+        value = local(param).detach()
+        # allocated pinned (empty_like of a pinned tensor is not pinned): a non_blocking copy from or to
+        # pageable memory is synchronous, which would serialise backward with the copies
+        self.master = host_empty(value, pin).copy_(value)
+        self.grad_buffer = host_empty(value, pin)
         self.seen = self._fingerprint()
         self.copied: Optional[tuple[torch.Tensor, int]] = None   # (the gradient, its version) copied in backward
 
@@ -101,6 +105,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stream = torch.cuda.Stream(device=local(params[0]).device) if self.overlap else None
         # gradient copies start in backward (both devices when overlap is asked for; exercised on the CPU)
         self.copy_in_backward = overlap
+        # the hooks copy in the backward of a step's last micro-batch only (the trainer says which one
+        # is; earlier copies would be superseded by the next accumulation). True unless told otherwise.
+        self.last_micro_batch = True
         self.copy_counts = {"in_backward": 0, "at_step": 0}   # host gradients used per origin, for tests
         if self.copy_in_backward:
             for h in self.host.values():
@@ -147,9 +154,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._link_state()
         return loss
 
+    def set_last_micro_batch(self, last: bool) -> None:
+        """The trainer says whether the coming backward is the step's last: gradient copies start only
+        then (one device -> host copy per parameter per step, whatever the number of micro-batches)."""
+        self.last_micro_batch = last
+
     def _copy_in_backward(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: start this parameter's gradient copy to the host now. Fires once
-        per micro-batch; a later accumulation or clipping changes the version and the step copies again."""
+        """Post-accumulate-grad hook: start this parameter's gradient copy to the host now. Copies in the
+        last micro-batch only; clipping changes the version afterwards and the step copies again."""
+        if not self.last_micro_batch:
+            return
         h = self.host[id(param)]
         grad = local_grad(param, in_backward=True)
         if grad is None:
@@ -228,8 +242,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)   # casts states to each parameter's device
+        """Host states go straight to host buffers: handing them to the base class would first cast
+        them to their parameter's device, allocating on the GPU exactly the memory offload saves."""
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = dict(zip(saved, (p for g in self.param_groups for p in g["params"])))   # as the base class maps them
+        host_states = {i: s for i, s in state_dict["state"].items() if id(params[i]) in self.host}
+        device_part = {**state_dict, "state": {i: s for i, s in state_dict["state"].items() if i not in host_states}}
+        super().load_state_dict(device_part)   # casts the device states to each parameter's device
         self.state = defaultdict(dict, self.state)
+        for i, state in host_states.items():
+            self.state[params[i]] = dict(state)
         if self.device_optimizer is not None:
             self.device_optimizer.state = defaultdict(dict)
             for g in self.device_optimizer.param_groups:
@@ -269,9 +291,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor of like's shape and dtype, allocated pinned when `pin`."""
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+
+
 def _to_host(v: torch.Tensor, pin: bool) -> torch.Tensor:
-    t = local(v).detach().to("cpu", copy=True)
-    return t.pin_memory() if pin else t
+    """A host copy of v's local part, copied once from wherever v is (never through the device)."""
+    t = local(v).detach()
+    return host_empty(t, pin).copy_(t)
 
 
 def _as_layout_of(v: Any, p: DTensor) -> Any:

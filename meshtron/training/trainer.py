@@ -281,6 +281,8 @@ class Trainer:
         instead of one per micro-batch, for the memory of one unsharded gradient per FSDP unit)."""
         for unit in self._fsdp_modules():
             unit.set_requires_gradient_sync(enabled, recurse=False)
+        if hasattr(self.optimizer, "set_last_micro_batch"):   # offload: copy gradients to the host once per step
+            self.optimizer.set_last_micro_batch(enabled)
 
     @contextmanager
     def _phase(self, name: str, detail: str = "") -> Iterator[None]:
