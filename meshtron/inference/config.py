@@ -19,7 +19,11 @@ from meshtron.config.fields import ConfigError, option
 class EngineConfig:
     block_size: int = option(16, "Tokens per KV-cache block (the unit of allocation and prefix sharing)")
     num_blocks: Optional[int] = option(None, "KV-cache blocks; null sizes the cache from kv_cache_memory_mb")
-    kv_cache_memory_mb: float = option(512.0, "Memory for keys/values when num_blocks is null, in MiB")
+    kv_cache_memory_mb: Optional[float] = option(None, "Memory for keys/values when num_blocks is null, in MiB; "
+                                                       "null: on CUDA what gpu_memory_utilization leaves after a "
+                                                       "profiled max-size step, on a CPU 512")
+    gpu_memory_utilization: float = option(0.9, "CUDA: share of the GPU's memory the engine may use (weights, "
+                                                "activations and the KV cache) when kv_cache_memory_mb is null")
     max_num_seqs: int = option(64, "Most requests running at once (the batch's request dimension)")
     max_num_batched_tokens: int = option(512, "Token budget of one step, prefill chunks and decodes together")
     enable_chunked_prefill: bool = option(True, "Split long prompts over steps so decodes keep flowing")
@@ -64,7 +68,10 @@ class EngineConfig:
 
         need(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
         need(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks, "must be >= 1 or null")
-        need(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb", self.kv_cache_memory_mb, "must be > 0")
+        need(self.kv_cache_memory_mb is None or self.kv_cache_memory_mb > 0, "kv_cache_memory_mb",
+             self.kv_cache_memory_mb, "must be > 0 or null")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+             "must be in (0, 1]")
         need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
@@ -95,7 +102,8 @@ class EngineConfig:
         if num_blocks is None and bytes_per_token == 0:
             num_blocks = self.max_num_seqs * -(-max_len // self.block_size)
         elif num_blocks is None:
-            num_blocks = max(1, int(self.kv_cache_memory_mb * 2**20) // max(1, bytes_per_token * self.block_size))
+            memory_mb = CPU_KV_CACHE_MB if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb
+            num_blocks = max(1, int(memory_mb * 2**20) // max(1, bytes_per_token * self.block_size))
         out = dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks)
         if recurrent_state:
             if out.layout != "varlen" or out.cuda_graphs:
@@ -115,6 +123,9 @@ class EngineConfig:
         return self.num_blocks * self.block_size
 
 
+# the KV cache when kv_cache_memory_mb is null and no profile sized it (a CPU): a fixed size, since a
+# CPU machine's memory is shared with everything else (CI: 24 GB for all tests)
+CPU_KV_CACHE_MB = 512.0
 GRAPH_BUCKET_FIELDS = ("cuda_graph_batch_sizes", "cuda_graph_token_sizes", "cuda_graph_prefill_sizes")
 # the booleans decode_attention replaced, and the choice each one meant
 REPLACED = {"compile_decode_attention": "compiled", "native_decode_attention": "native"}
@@ -138,7 +149,7 @@ def add_engine_arguments(parser, skip: tuple[str, ...] = ()) -> None:
             parser.add_argument(flag, dest=f.name, default=f.default, help=help_text + "; comma-separated",
                                 type=lambda s: tuple(int(x) for x in s.split(",") if x))
         else:
-            kind = {"int": int, "Optional[int]": int, "float": float, "str": str}[str(f.type)]
+            kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float, "str": str}[str(f.type)]
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
     for name, choice in REPLACED.items():  # the old flags say what replaced them (hidden from --help)
         flag = "--" + name.replace("_", "-")

@@ -7,7 +7,8 @@ The work itself is done by a handler: `EngineHandler` runs an `LLMEngine` (paylo
 PAUSE stops stepping (requests keep queueing), UNPAUSE restarts it; SUSPEND / RESUME free and rebuild
 the engine's KV cache; STOP acknowledges and leaves the loop.
 
-    python -m meshtron.inference.coordinator_worker --address tcp://127.0.0.1:5555 --checkpoint DIR
+    python -m meshtron.inference.coordinator_worker --address tcp://127.0.0.1:5555 --checkpoint DIR \\
+        --local-index 1   # serves on cuda:1 (default $LOCAL_RANK or 0)
 """
 
 from __future__ import annotations
@@ -165,6 +166,30 @@ class EngineWorker:
         return True
 
 
+def worker_device_index(local_index: Optional[int], environ: dict, num_gpus: int) -> Optional[int]:
+    """The GPU this worker serves on: `--local-index`, else $LOCAL_RANK (a launcher's per-host index),
+    else 0; None without a GPU. Each worker of a host gets its own GPU (cuda:{local index})."""
+    if num_gpus == 0:
+        return None
+    index = local_index if local_index is not None else int(environ.get("LOCAL_RANK", 0))
+    if not 0 <= index < num_gpus:
+        raise ValueError(f"--local-index: {index} but this process sees {num_gpus} GPU(s); give each worker of a "
+                         f"host its own index in 0..{num_gpus - 1} (or set CUDA_VISIBLE_DEVICES to one GPU)")
+    return index
+
+
+def place_worker(local_index: Optional[int], device: str) -> Optional[int]:
+    """Make the worker's GPU the current CUDA device (before the model is built), so `auto` and
+    `cuda` mean cuda:{local index}; None on a CPU or with `--device cpu`."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return None
+    index = worker_device_index(local_index, dict(os.environ), torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return index
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from meshtron.inference.config import add_engine_arguments, engine_config_from_args
 
@@ -173,10 +198,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--address", required=True, help="the coordinator's address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory (a step dir or its parent)")
     parser.add_argument("--name", default=None, help="worker name in the coordinator's stats (default worker-PID)")
+    parser.add_argument("--local-index", type=int, default=None,
+                        help="this worker's index on its host: it serves on cuda:{index} (default $LOCAL_RANK or 0)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     from meshtron.inference.engine import LLMEngine
 
+    try:
+        place_worker(args.local_index, args.device)
+    except ValueError as e:
+        parser.error(str(e))
     engine = LLMEngine.from_checkpoint(args.checkpoint, engine_config_from_args(args))
     EngineWorker(args.address, EngineHandler(engine), args.name).run()
     return 0

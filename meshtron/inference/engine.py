@@ -34,6 +34,7 @@ from torch import nn
 from meshtron.inference.config import EngineConfig
 from meshtron.inference.kv_cache_manager import KVCacheManager
 from meshtron.inference.mamba_state import MambaInferenceStateConfig, StateSlotPool
+from meshtron.inference.memory_profile import size_kv_cache
 from meshtron.inference.outputs import Detokenizer, RequestOutput
 from meshtron.inference.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from meshtron.inference.runner import ModelRunner, kv_bytes_per_token
@@ -98,9 +99,11 @@ class LLMEngine:
         check_supported(model)
         self.tokenizer, self.model_name = tokenizer, model_name
         state_cfg = MambaInferenceStateConfig.from_model(model)
-        self.config = (config or EngineConfig()).resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model),
-                                                         recurrent_state=state_cfg is not None)
         self.device = next(model.parameters()).device
+        # a null kv_cache_memory_mb: sized from free GPU memory after one profiled max-size step
+        config = size_kv_cache(model, config or EngineConfig(), self.device, recurrent_state=state_cfg is not None)
+        self.config = config.resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model),
+                                     recurrent_state=state_cfg is not None)
         self.vocab_size = model.vocab_size
         self.kv = KVCacheManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         slots = StateSlotPool(self.config.max_num_seqs) if state_cfg is not None else None

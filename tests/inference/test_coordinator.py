@@ -188,3 +188,41 @@ def test_real_engine_workers_from_a_checkpoint(tmp_path):
     finally:
         client.close()
         cluster.close()
+
+
+def test_each_worker_gets_its_own_gpu():
+    """DP workers of one host land on cuda:{local index}, not all on cuda:0."""
+    from meshtron.inference.coordinator_worker import worker_device_index
+
+    assert [worker_device_index(i, {}, 8) for i in range(4)] == [0, 1, 2, 3]
+    assert worker_device_index(None, {"LOCAL_RANK": "5"}, 8) == 5  # a launcher's per-host index
+    assert worker_device_index(None, {}, 8) == 0
+    assert worker_device_index(3, {}, 0) is None  # no GPU: the engine runs on the CPU
+    with pytest.raises(ValueError, match=r"^--local-index: 2 but this process sees 2 GPU\(s\)"):
+        worker_device_index(2, {}, 2)
+
+
+def test_worker_main_sets_the_cuda_device_before_building(monkeypatch):
+    """`coordinator_worker --local-index 1` makes cuda:1 current before the engine is built."""
+    import torch
+
+    from meshtron.inference import coordinator_worker
+    from meshtron.inference.engine import LLMEngine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+
+    def built(path, config):
+        calls.append(("engine", path))
+        raise SystemExit(0)  # stop before any model or socket is made
+
+    monkeypatch.setattr(LLMEngine, "from_checkpoint", staticmethod(built))
+    with pytest.raises(SystemExit):
+        coordinator_worker.main(["--address", "tcp://127.0.0.1:1", "--checkpoint", "x", "--local-index", "1"])
+    assert calls == [("set_device", 1), ("engine", "x")]
+    calls.clear()
+    with pytest.raises(SystemExit):
+        coordinator_worker.main(["--address", "tcp://127.0.0.1:1", "--checkpoint", "x", "--device", "cpu"])
+    assert calls == [("engine", "x")]
