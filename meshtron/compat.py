@@ -15,7 +15,9 @@ whose shapes depend on data (MoE routing) takes a static-shaped path then.
 `torch._grouped_mm(x, w, offs)` multiplies consecutive row blocks of x (2-D) by the matrices of w (3-D):
 rows offs[g-1]:offs[g] by w[g]. Measured on torch 2.13 (CPU): fp32/bf16/fp16 work forward and backward,
 fp64 is refused, every row stride must be a multiple of 16 bytes, and backward fails on an expanded
-(stride 0) output gradient, so the output passes through `_contiguous_grad`.
+(stride 0) output gradient, so the output passes through `_contiguous_grad`. On CUDA (read from ATen's
+GroupedBlas.cpp / GroupMMCommon.cuh, not run here): bf16 on compute capability 9.x/10.x runs a CUTLASS
+kernel that reads the offsets on the device; every other case ATen's fallback, which copies them to the host.
 
 `sdpa_block_forward` / `sdpa_block_backward`: one attention block and its log-sum-exp through the fused
 SDPA kernels' private ops (`aten._scaled_dot_product_flash_attention_for_cpu[_backward]`, on CUDA
@@ -30,22 +32,34 @@ from contextlib import AbstractContextManager
 
 import torch
 
-_GROUPED_DTYPES_CPU = (torch.float32, torch.bfloat16, torch.float16)
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `grouped_mm(x, w, offs)` runs for these operands: x (rows, k), w (groups, k, n)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
-        return False
-    if x.device.type == "cpu":
-        ok_dtype = x.dtype in _GROUPED_DTYPES_CPU
-    elif x.device.type == "cuda":
-        # the CUDA kernels take bf16 (fp32 on newer builds goes through a fallback we do not rely on)
-        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
-    else:
+    """Whether `grouped_mm(x, w, offs)` runs for these operands: x (rows, k), w (groups, k, n). Both CPU
+    and CUDA take fp32/bf16/fp16 (CUDA: a CUTLASS kernel for bf16 on compute capability 9.x/10.x, else
+    ATen's fallback, see grouped_mm_reads_offsets); every row stride must be a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or x.device.type not in ("cpu", "cuda"):
         return False
     size = x.element_size()
-    return ok_dtype and (w.shape[-2] * size) % 16 == 0 and (w.shape[-1] * size) % 16 == 0
+    return x.dtype in _GROUPED_DTYPES and (w.shape[-2] * size) % 16 == 0 and (w.shape[-1] * size) % 16 == 0
+
+
+def grouped_mm_reads_offsets(x: torch.Tensor) -> bool:
+    """Whether `grouped_mm` copies its offsets to the host (a device sync, and no CUDA-graph capture):
+    ATen's CUDA fallback (any dtype but bf16, or a GPU other than compute capability 9.x/10.x) loops
+    over the groups on the host; the CUTLASS kernel and the CPU kernel read them where they are."""
+    if x.device.type != "cuda":
+        return False
+    return x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] not in (9, 10)
+
+
+def grouped_mm_row_alignment(x: torch.Tensor) -> int:
+    """Rows each group of `grouped_mm` should start at a multiple of: on CUDA 16 bytes of a row element
+    (8 for bf16), so that every group's first row is 16-byte aligned for TMA loads whatever the operand
+    layout (ATen's kernel checks this only for some layouts; inductor's grouped-GEMM template is tuned
+    for aligned offsets); 1 on CPU."""
+    return 16 // x.element_size() if x.device.type == "cuda" else 1
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -30,7 +30,7 @@ from meshtron.compat import grouped_mm_supported
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.mlp import MLP
 from meshtron.nn.moe import LocalDispatcher, MoELayer
-from meshtron.nn.moe.routing_map import build_routing_map
+from meshtron.nn.moe.routing_map import RowBound, build_routing_map
 
 DEFAULT_OUTPUT = Path("benchmarks/results/moe.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -126,7 +126,8 @@ def time_dispatch(layer: MoELayer, x: torch.Tensor, args, device) -> dict[str, l
             dispatcher = make()
 
             def round_trip(d=dispatcher):
-                rows, _, handle = d.dispatch(tokens, routing.probs, routing.routing_map)
+                rows, _, handle = d.dispatch(tokens, routing.probs, routing.routing_map,
+                                             row_bound=RowBound(layer.topk, layer.num_experts))
                 return d.combine(rows, handle)
 
             steps[f"dispatch+combine ({name})"] = round_trip

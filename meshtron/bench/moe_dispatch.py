@@ -3,8 +3,9 @@ ranks, against the local dispatcher (no exchange) on the same tokens and routing
 
 Each of `ep` ranks routes its own random tokens (a real top-k router, dropless) and times
 dispatch + combine with an identity in place of the experts: forward only, and forward + backward.
-A round's time is the slowest rank's (the collectives finish together); the median over rounds is
-reported per token of one rank, with the rows each rank sends. Ranks are CPU processes on gloo with
+A round's time is the slowest rank's (the collectives finish together), between device
+synchronisations on CUDA; the median over rounds is reported per token of one rank, with the rows each
+rank sends. Dispatchers get the routing map's row bound, as in the MoE layer. Ranks are CPU processes on gloo with
 one thread each (`meshtron.testing.multiprocess`): the numbers compare the dispatchers' work and
 traffic on this machine, not an NVLink/InfiniBand fabric.
 
@@ -66,7 +67,7 @@ def rank_main(rank: int, world: int, *, tokens: int, hidden_size: int, num_exper
 
     from meshtron.config.schema import ModelConfig
     from meshtron.nn.moe import LocalDispatcher, MoELayer
-    from meshtron.nn.moe.routing_map import build_routing_map
+    from meshtron.nn.moe.routing_map import RowBound, build_routing_map
     from meshtron.parallel.dims import backend_options
     from meshtron.parallel.expert_parallel import DISPATCHERS
 
@@ -88,23 +89,18 @@ def rank_main(rank: int, world: int, *, tokens: int, hidden_size: int, num_exper
     dispatchers = {"local": LocalDispatcher(),
                    **{name: DISPATCHERS[name](mesh["ep"].get_group(), num_experts) for name in ("allgather", "alltoall")}}
 
+    bound = RowBound(topk, num_experts)  # what the MoE layer passes: buffers sized without a host read
+
     def forward(d):
         with torch.no_grad():
-            rows, _, handle = d.dispatch(tokens_2d, routing.probs, routing.routing_map)
+            rows, _, handle = d.dispatch(tokens_2d, routing.probs, routing.routing_map, row_bound=bound)
             d.combine(rows, handle)
 
     def train(d):
         t = tokens_2d.detach().requires_grad_()
         p = routing.probs.detach().requires_grad_()
-        rows, _, handle = d.dispatch(t, p, routing.routing_map)
+        rows, _, handle = d.dispatch(t, p, routing.routing_map, row_bound=bound)
         d.combine(rows, handle).backward(grad)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters
 
     out: dict[str, Any] = {}
     for name, d in dispatchers.items():
@@ -115,9 +111,28 @@ def rank_main(rank: int, world: int, *, tokens: int, hidden_size: int, num_exper
                                                                           num_experts, tokens)}
     for _ in range(repeats):  # alternate the cases: a slow moment of the machine hits them alike
         for name, d in dispatchers.items():
-            out[name]["forward"].append(timed(lambda d=d: forward(d)))
-            out[name]["train"].append(timed(lambda d=d: train(d)))
+            out[name]["forward"].append(timed(lambda d=d: forward(d), iters, tokens_2d.device, dist.barrier))
+            out[name]["train"].append(timed(lambda d=d: train(d), iters, tokens_2d.device, dist.barrier))
     return out
+
+
+def timed(fn, iters: int, device, barrier) -> float:
+    """Seconds per call of `fn`, from a barrier of the ranks to the end of the device's work."""
+    synchronize(device)  # queued GPU work would otherwise land in (or outside) the window
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU work is done when it returns)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rows_sent(name: str, routing_map, rank: int, world: int, num_experts: int, tokens: int) -> float:

@@ -18,7 +18,10 @@ rank and micro-batch, as in one process). Two dispatchers (parallel.ep_dispatche
              and a reduce-scatter sums the P partial outputs and returns each rank its own tokens.
              backward: reduce-scatter of the token gradients, all-gather of the output gradients.
 All-to-all moves only the rows that need to move (T k (P-1)/P per rank on average); all-gather moves
-T (P-1) rows in and out whatever the routing, but needs no count exchange or host sync.
+T (P-1) rows in and out whatever the routing, but needs no per-expert count exchange. Each reads the
+device once per forward on the host (none in backward): all-to-all its split sizes (Python ints for the
+collective), all-gather the largest token count of the ranks (the size of the gathered buffer); the
+routing itself is read by neither (buffers are sized by the routing map's static row bound).
 Uneven numbers of tokens per rank are allowed (all-gather pads to the largest).
 
 Expert tensor parallelism (parallel.expert_tensor_parallel, with tp > 1) also splits every expert's
@@ -38,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from meshtron.compat import grouped_mm_row_alignment
 from meshtron.config.fields import ConfigError
 from meshtron.nn.moe.balance import moe_layers
 from meshtron.nn.moe.dispatcher import LocalDispatcher, LocalHandle, permute, unpermute
@@ -120,23 +124,26 @@ class AllToAllHandle:
 class AllToAllDispatcher:
     """Tokens travel to their experts' ranks with one uneven all-to-all and come back with another."""
 
+    host_reads = 1  # the split sizes
+
     def __init__(self, group, num_experts: int):
         self.group, self.num_experts = group, num_experts
         self.ep_size = dist.get_world_size(group)
         self.num_local_experts = num_experts // self.ep_size
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
-                 routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 row_bound=None) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
         P, L = self.ep_size, self.num_local_experts
-        rows, tokens_per_expert, local = permute(tokens, probs, routing_map)
+        max_rows = None if row_bound is None else row_bound(tokens.shape[0])
+        rows, tokens_per_expert, local = permute(tokens, probs, routing_map, max_rows)
         send_counts = tokens_per_expert.reshape(-1)                       # (P * L,) rank-major
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         recv_counts = recv_counts.view(P, L)                             # [source rank, local expert]
-        sent = send_counts.view(P, L).sum(1).tolist()
-        received = recv_counts.sum(1).tolist()
-        x = all_to_all(rows, received, sent, self.group)                 # (M, hidden) source-major
-        order = _source_to_expert_major(recv_counts) if P > 1 and L > 1 else None
+        # this dispatcher's one host read: the collective takes its split sizes as Python ints
+        sent, received = torch.stack([send_counts.view(P, L).sum(1), recv_counts.sum(1)]).tolist()
+        x = all_to_all(rows[:sum(sent)], received, sent, self.group)     # (M, hidden) source-major
+        order = _source_to_expert_major(recv_counts, sum(received)) if P > 1 and L > 1 else None
         if order is not None:
             x = x[order]
         return x, recv_counts.sum(0), AllToAllHandle(local, sent, received, order)
@@ -146,16 +153,16 @@ class AllToAllDispatcher:
         if handle.order is not None:
             y = y.new_empty(y.shape).index_copy(0, handle.order, y)      # back to source-major
         y = all_to_all(y, handle.sent, handle.received, self.group)
-        return unpermute(y, handle.local)
+        spare = handle.local.token_ids.shape[0] - y.shape[0]             # permute's spare rows: weight 0
+        return unpermute(nn.functional.pad(y, (0, 0, 0, spare)) if spare else y, handle.local)
 
 
-def _source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
-    """counts (sources, experts): rows arrive in blocks ordered (source, expert); return the index that
-    lists them ordered (expert, source), keeping the order within a block."""
+def _source_to_expert_major(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """counts (sources, experts), `total` rows: rows arrive in blocks ordered (source, expert); return the
+    index that lists them ordered (expert, source), keeping the order within a block."""
     starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).view_as(counts)   # block start, source-major
     sizes_em, starts_em = counts.t().reshape(-1), starts.t().reshape(-1)            # blocks in expert-major order
     offsets_em = sizes_em.cumsum(0) - sizes_em
-    total = int(sizes_em.sum())
     shift = torch.repeat_interleave(starts_em - offsets_em, sizes_em, output_size=total)
     return torch.arange(total, device=counts.device) + shift
 
@@ -171,17 +178,19 @@ class AllGatherDispatcher:
     """Every rank sees every token of its `ep` group and keeps the rows of its own experts; the
     per-token sums return by reduce-scatter."""
 
+    host_reads = 1  # the largest token count of the ranks
+
     def __init__(self, group, num_experts: int):
         self.group, self.num_experts = group, num_experts
         self.ep_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_local_experts = num_experts // self.ep_size
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
-                 routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AllGatherHandle]:
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 row_bound=None) -> tuple[torch.Tensor, torch.Tensor, AllGatherHandle]:
         T = tokens.shape[0]
         sizes = torch.empty(self.ep_size, dtype=torch.long, device=tokens.device)
-        dist.all_gather_into_tensor(sizes, torch.tensor([T], device=tokens.device), group=self.group)
-        padded = int(sizes.max())
+        dist.all_gather_into_tensor(sizes, torch.full((1,), T, device=tokens.device), group=self.group)
+        padded = int(sizes.max())  # this dispatcher's one host read: the gathered buffer's size
         if padded > T:
             pad = padded - T
             tokens, probs = nn.functional.pad(tokens, (0, 0, 0, pad)), nn.functional.pad(probs, (0, 0, 0, pad))
@@ -191,7 +200,10 @@ class AllGatherDispatcher:
         all_tokens = all_gather(tokens, self.group)                            # (P padded, hidden)
         all_probs = all_gather(probs, self.group)[:, mine]                     # (P padded, local experts)
         all_map = all_gather(routing_map.to(torch.uint8), self.group)[:, mine].bool()
-        rows, tokens_per_expert, local = permute(all_tokens, all_probs, all_map)
+        # every rank's map holds at most row_bound(padded) entries, and each gathered token at most one per expert
+        max_rows = None if row_bound is None else self.ep_size * min(row_bound(padded), padded * self.num_local_experts)
+        rows, tokens_per_expert, local = permute(all_tokens, all_probs, all_map, max_rows,
+                                                 grouped_mm_row_alignment(all_tokens))
         return rows, tokens_per_expert, AllGatherHandle(local, T, padded)
 
     def combine(self, expert_output: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
@@ -243,8 +255,12 @@ class ExpertTensorParallelDispatcher:
     def __init__(self, inner, tp_group):
         self.inner, self.tp_group = inner, tp_group
 
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        rows, tokens_per_expert, handle = self.inner.dispatch(tokens, probs, routing_map)
+    @property
+    def host_reads(self):
+        return getattr(self.inner, "host_reads", None)
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, row_bound=None):
+        rows, tokens_per_expert, handle = self.inner.dispatch(tokens, probs, routing_map, row_bound=row_bound)
         return _CopyToTensorParallel.apply(rows, self.tp_group), tokens_per_expert, handle
 
     def combine(self, expert_output: torch.Tensor, handle) -> torch.Tensor:

@@ -25,3 +25,19 @@ def test_ep_dispatch_rows_in_the_moe_benchmark(tmp_path):
     # all-gather sends every token to the other rank; all-to-all only the choices of the other rank's experts
     assert local["rows_sent_per_rank"] == 0 and allgather["rows_sent_per_rank"] == 16
     assert 0 < alltoall["rows_sent_per_rank"] < 16 * 2
+
+
+def test_dispatch_timing_waits_for_the_gpu(monkeypatch):
+    """On CUDA the timed window starts after, and ends after, a device synchronisation (kernels run
+    asynchronously: without it the window measures their launch); on CPU there is nothing to wait for."""
+    import torch
+
+    from meshtron.bench.moe_dispatch import timed
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"sync {device}"))
+    timed(lambda: events.append("call"), 2, torch.device("cuda", 0), lambda: events.append("barrier"))
+    assert events == ["sync cuda:0", "barrier", "call", "call", "sync cuda:0"]
+    events.clear()
+    timed(lambda: events.append("call"), 1, torch.device("cpu"), lambda: events.append("barrier"))
+    assert events == ["barrier", "call"]

@@ -2,7 +2,8 @@
 all-gather dispatchers) gives every rank the outputs, input gradients and parameter gradients that one
 process computes for the same tokens with every expert local; dropless runs route every choice,
 capacity-limited runs drop the same choices. Whole training runs under EP (alone and with FSDP, TP,
-PP) match the single-process run over 3 optimizer steps, and checkpoints reshard across EP sizes."""
+PP) match the single-process run over 3 optimizer steps, and checkpoints reshard across EP sizes.
+A forward + backward reads the device once on the host (the dispatcher's split sizes or token counts)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from meshtron.nn.moe.routing_map import build_routing_map
 from meshtron.parallel.plan import estimate_memory
 from meshtron.testing.multiprocess import run_ranks
 from meshtron.training import Trainer
+from tests.nn.test_moe_syncs import count_host_reads
 
 from .test_layouts import BASE as BASE_LAYOUT
 from .test_layouts import check_against_reference
@@ -93,16 +95,17 @@ def layer_parity(rank: int, world: int, mesh, variant: str, dispatcher: str, une
     seen = []
     dispatch = layer.dispatcher.dispatch
 
-    def counting(*args):
-        rows, tokens_per_expert, handle = dispatch(*args)
-        seen.append(int(tokens_per_expert.sum()))
+    def counting(*args, **kwargs):
+        rows, tokens_per_expert, handle = dispatch(*args, **kwargs)
+        seen.append(tokens_per_expert.sum())
         return rows, tokens_per_expert, handle
 
     layer.dispatcher.dispatch = counting
     x, w = rank_tokens(rank, uneven)
     x.requires_grad_(True)
-    y = layer(x)
-    (y * w).sum().backward()
+    with count_host_reads() as reads:
+        y = layer(x)
+        (y * w).sum().backward()
 
     errors = {"output": (y - ref_out[rank]).abs().max().item(), "input_grad": (x.grad - ref_grad[rank]).abs().max().item()}
     local = EXPERTS // world
@@ -116,9 +119,9 @@ def layer_parity(rank: int, world: int, mesh, variant: str, dispatcher: str, une
             grad = p.grad.clone()
             dist.all_reduce(grad)  # replicated parameters: each rank holds its own tokens' share
             errors[name] = (grad - dict(reference.named_parameters())[name].grad).abs().max().item()
-    rows = torch.tensor(seen[0])
+    rows = seen[0].clone()
     dist.all_reduce(rows)
-    return {"errors": errors, "rows": int(rows), "ref_rows": ref_rows, "ref_dropped": ref_dropped,
+    return {"errors": errors, "rows": int(rows), "ref_rows": ref_rows, "ref_dropped": ref_dropped, "reads": reads,
             "choices": sum(2 * rank_tokens(r, uneven)[0].shape[1] * cfg.moe_router_topk for r in range(world))}
 
 
@@ -140,6 +143,9 @@ def test_moe_layer_under_ep_matches_one_process(world):
             for name, err in rank_results[i]["errors"].items():
                 assert err <= 1e-5, (case, name, err)
         r = results[0][i]
+        # host reads per forward + backward: the dispatcher's one (split sizes / largest token count),
+        # and the looped experts' counts
+        assert len(r["reads"]) == 1 + (variant == "looped"), (case, r["reads"])
         # the experts of all ranks together processed exactly the rows of the reference routing maps
         assert r["rows"] == r["ref_rows"], case
         if variant == "dropless":

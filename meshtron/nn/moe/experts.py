@@ -5,9 +5,11 @@ down_e(act(x W_up_e^T)), with the same activation, clamp and linear offset as th
 (GPT-OSS: quick-GeGLU clamped at 7 with offset 1). Optional biases are per expert; the dispatcher
 multiplies each output row, bias included, by its routing probability.
 
-Input rows arrive grouped by expert (tokens_per_expert[e] rows for expert e, in expert order).
-Computation is one grouped GEMM per matrix (`torch._grouped_mm`) where it runs, else a loop over the
-experts; both give the same numbers. Weights stay stacked along dim 0 so expert parallelism can shard
+Input rows arrive grouped by expert (tokens_per_expert[e] rows for expert e, in expert order; spare
+rows after the last group run through the last expert). Computation is one grouped GEMM per matrix
+(`torch._grouped_mm`, via meshtron/compat.py) for fp32/bf16/fp16 on CPU and CUDA, else (fp64, widths
+whose rows are not 16-byte multiples, moe_grouped_gemm false) a loop over the experts that reads the
+counts on the host; both give the same numbers. Weights stay stacked along dim 0 so expert parallelism can shard
 that dim (each rank then holds num_local_experts of them and sees only their tokens: tokens_per_expert
 then has one entry per local expert).
 """
@@ -52,17 +54,25 @@ class GroupedExperts(nn.Module):
                 nn.init.zeros_(b)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor | list[int]) -> torch.Tensor:
-        """x (rows, hidden) grouped by expert, tokens_per_expert (num_experts,) -> (rows, hidden).
-        A list of counts (known in Python, e.g. for shape tracing) always takes the loop."""
-        use_grouped = (self.grouped and isinstance(tokens_per_expert, torch.Tensor) and x.shape[0] > 0
-                       and grouped_mm_supported(x, _local(self.w_up).transpose(1, 2)))
-        if use_grouped:
-            offs = tokens_per_expert.cumsum(0).to(torch.int32)
-            # the experts this call serves (a dispatcher under expert parallelism passes its local ones)
-            expert_of_row = torch.repeat_interleave(torch.arange(tokens_per_expert.shape[0], device=x.device),
-                                                    tokens_per_expert, output_size=x.shape[0])
-            return self._mlp(x, lambda h, w, b: _grouped_linear(h, w, b, offs, expert_of_row))
-        counts = tokens_per_expert if isinstance(tokens_per_expert, list) else tokens_per_expert.tolist()
+        """x (rows, hidden) grouped by expert, tokens_per_expert (num_experts,) -> (rows, hidden). Rows past
+        the last group (a dispatcher's fixed-size buffer) are spare: they run through the last expert, so
+        every output row is finite, and the dispatcher gives them weight 0. A list of counts (known in
+        Python, e.g. for shape tracing) always takes the loop."""
+        if not isinstance(tokens_per_expert, torch.Tensor):
+            return self._looped(x, list(tokens_per_expert))
+        if not (self.grouped and x.shape[0] > 0 and grouped_mm_supported(x, _local(self.w_up).transpose(1, 2))):
+            return self._looped(x, tokens_per_expert.tolist())  # reads the counts on the host
+        offs = tokens_per_expert.cumsum(0).to(torch.int32)
+        offs[-1] = x.shape[0]  # spare rows join the last group
+        # the expert of every row, for the biases (the experts this call serves: its local ones under EP)
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        expert_of_row = torch.repeat_interleave(torch.arange(offs.shape[0], device=x.device), sizes,
+                                                output_size=x.shape[0])
+        return self._mlp(x, lambda h, w, b: _grouped_linear(h, w, b, offs, expert_of_row))
+
+    def _looped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if counts:
+            counts[-1] += x.shape[0] - sum(counts)  # spare rows join the last group
         outputs = []
         for e, rows in enumerate(x.split(counts)):
             outputs.append(self._mlp(rows, lambda h, w, b, e=e: F.linear(h, w[e], None if b is None else b[e])))

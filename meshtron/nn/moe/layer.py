@@ -13,18 +13,20 @@ expert-bias update of auxiliary-loss-free balancing.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from meshtron.compat import is_fake
+from meshtron.compat import grouped_mm_reads_offsets, grouped_mm_supported, is_fake
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.mlp import MLP
-from meshtron.nn.moe.dispatcher import LocalDispatcher, LocalHandle, TokenDispatcher, unpermute
+from meshtron.nn.moe.dispatcher import LocalDispatcher, TokenDispatcher, permute, unpermute
 from meshtron.nn.moe.experts import GroupedExperts
 from meshtron.nn.moe.router import build_router
-from meshtron.nn.moe.routing_map import build_routing_map
+from meshtron.nn.moe.routing_map import RowBound, build_routing_map
 
 
 class _AuxLossScaler(torch.autograd.Function):
@@ -110,7 +112,10 @@ class MoELayer(nn.Module):
             return self._traced_forward(tokens, probs, indices, aux_loss).view(batch, seq, hidden).to(x.dtype)
         routing = build_routing_map(probs, indices, self.num_experts, self.capacity_factor, self.drop_policy,
                                     self.pad_alignment)
-        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
+        row_bound = RowBound(self.topk, self.num_experts, self.capacity_factor, self.pad_alignment)
+        bound = {"row_bound": row_bound} if _takes_row_bound(self.dispatcher.dispatch) else {}
+        expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map,
+                                                                           **bound)
         expert_output = self.experts(expert_input, tokens_per_expert)
         y = self.dispatcher.combine(expert_output, handle)
         y = self._add_shared(tokens, y)
@@ -120,6 +125,24 @@ class MoELayer(nn.Module):
                            {"aux_loss": aux_loss.detach()} if losses is None else losses)
         y = attach_aux_loss(y, aux_loss, self.aux_loss_scale)
         return y.view(batch, seq, hidden).to(x.dtype)
+
+    def host_sync_reasons(self, dtype: torch.dtype, device: torch.device) -> list[str]:
+        """Why a forward of this sublayer in `dtype` on `device` reads the device on the host (stalling a
+        GPU and preventing CUDA-graph capture); empty when it never does."""
+        reasons = []
+        reads = getattr(self.dispatcher, "host_reads", None)
+        if reads != 0:
+            reasons.append(f"the token dispatcher ({type(self.dispatcher).__name__}) reads "
+                           f"{'an unknown number of values' if reads is None else reads} per forward")
+        x = torch.empty(0, self.experts.w_up.shape[-1], dtype=dtype, device=device)
+        w = torch.empty(self.experts.w_up.shape, dtype=dtype, device="meta").transpose(1, 2)
+        if not (self.experts.grouped and grouped_mm_supported(x, w)):
+            reasons.append("the experts run as a loop over their token counts (model.moe_grouped_gemm false, "
+                           "a dtype other than fp32/bf16/fp16, or widths whose rows are not 16-byte multiples)")
+        elif grouped_mm_reads_offsets(x):
+            reasons.append("the grouped GEMM copies its offsets to the host (CUDA: only bf16 on compute "
+                           "capability 9.x/10.x reads them on the device)")
+        return reasons
 
     def _add_shared(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_experts is None:
@@ -133,11 +156,25 @@ class MoELayer(nn.Module):
                         aux_loss: torch.Tensor) -> torch.Tensor:
         """Fake or meta tensors (meshtron plan's activation trace): routing has no values, so every
         choice is kept and the experts share the rows evenly; the ops, and the tensors they save for
-        backward, are those of a balanced dropless forward."""
-        k = indices.shape[1]
-        order = indices.reshape(-1).argsort(stable=True)
-        handle = LocalHandle(order // k, probs.reshape(-1)[order], tokens.shape[0])
-        rows, E = order.shape[0], self.num_experts
-        counts = [rows // E + (1 if e < rows % E else 0) for e in range(E)]
-        y = unpermute(self.experts(tokens.index_select(0, handle.token_ids), counts), handle)
+        backward, are those of a balanced dropless forward (the same dispatch, the experts looped)."""
+        routing = build_routing_map(probs, indices, self.num_experts)
+        rows, _, handle = permute(tokens, routing.probs, routing.routing_map, tokens.shape[0] * indices.shape[1])
+        R, E = rows.shape[0], self.num_experts
+        counts = [R // E + (1 if e < R % E else 0) for e in range(E)]
+        y = unpermute(self.experts(rows, counts), handle)
         return attach_aux_loss(self._add_shared(tokens, y), aux_loss, self.aux_loss_scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _accepts_row_bound(dispatch_function) -> bool:
+    try:
+        parameters = inspect.signature(dispatch_function).parameters
+    except (TypeError, ValueError):
+        return False
+    return "row_bound" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _takes_row_bound(dispatch) -> bool:
+    """Whether a dispatcher's `dispatch` takes the `row_bound` keyword (dispatchers written before it
+    existed get the three positional arguments only)."""
+    return _accepts_row_bound(getattr(dispatch, "__func__", dispatch))

@@ -9,6 +9,9 @@ The map is a boolean (tokens, experts) with its probabilities (tokens, experts),
                did not choose it, with probability 0: quantized grouped GEMMs get aligned groups and the
                output is unchanged (0 * y adds nothing). An expert is padded with the first tokens not
                on its map; a batch with fewer such tokens than needed pads as far as it has them.
+    row bound  R(T) = min(T E, min(T k, E C) + E (alignment - 1)): the most entries such a map over T
+               tokens can hold, known without reading the map, so dispatchers can size their buffers
+               without a device-to-host sync.
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ class RoutingMap:
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+@dataclass(frozen=True)
+class RowBound:
+    """The most (token, expert) entries a routing map built by `build_routing_map` with these settings
+    holds for `num_tokens` tokens (a static upper bound; the map itself may hold fewer)."""
+
+    topk: int
+    num_experts: int
+    capacity_factor: Optional[float] = None
+    pad_alignment: Optional[int] = None
+
+    def __call__(self, num_tokens: int) -> int:
+        rows = num_tokens * self.topk
+        if self.capacity_factor is not None:
+            rows = min(rows, self.num_experts * expert_capacity(num_tokens, self.topk, self.num_experts,
+                                                                self.capacity_factor))
+        if self.pad_alignment:
+            rows = min(num_tokens * self.num_experts, rows + self.num_experts * (self.pad_alignment - 1))
+        return rows
 
 
 def build_routing_map(probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
