@@ -41,31 +41,31 @@ CASES = {
 }
 
 
-def document_ids(seed: int) -> torch.Tensor:
+def document_ids(seed: int, seq: int = SEQ) -> torch.Tensor:
     """(batch, seq): a few documents of random lengths per row, different in each row."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(BATCH):
-        cuts = torch.randperm(SEQ - 1, generator=gen)[:4] + 1
-        starts = torch.zeros(SEQ, dtype=torch.long)
+        cuts = torch.randperm(seq - 1, generator=gen)[:4] + 1
+        starts = torch.zeros(seq, dtype=torch.long)
         starts[cuts] = 1
         rows.append(starts.cumsum(0))
     return torch.stack(rows)
 
 
-def reference(case, seed: int, dtype=torch.float32):
+def reference(case, seed: int, dtype=torch.float32, seq: int = SEQ):
     """Full tensors, the single-process output and gradients."""
     _, heads, kv_heads, window, docs, sinks, dv = case
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, heads, SEQ, 8, generator=gen)
-    k = torch.randn(BATCH, kv_heads, SEQ, 8, generator=gen)
-    v = torch.randn(BATCH, kv_heads, SEQ, dv, generator=gen)
-    d_out = torch.randn(BATCH, heads, SEQ, dv, generator=gen)
+    q = torch.randn(BATCH, heads, seq, 8, generator=gen)
+    k = torch.randn(BATCH, kv_heads, seq, 8, generator=gen)
+    v = torch.randn(BATCH, kv_heads, seq, dv, generator=gen)
+    d_out = torch.randn(BATCH, heads, seq, dv, generator=gen)
     sink = torch.randn(heads, generator=gen) if sinks else None
-    doc_ids = document_ids(seed) if docs else None
+    doc_ids = document_ids(seed, seq) if docs else None
     inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     sink_in = sink.clone().requires_grad_() if sink is not None else None
-    ctx = PackedContext.for_tokens(torch.zeros(BATCH, SEQ, dtype=torch.long), doc_ids)
+    ctx = PackedContext.for_tokens(torch.zeros(BATCH, seq, dtype=torch.long), doc_ids)
     # the reference always computes in fp32 (from the same, possibly bf16-rounded, inputs)
     out = attend(*(t.float() for t in inputs), ctx, scale=0.3, window_size=window, sink_logits=sink_in)
     out.backward(d_out)
@@ -168,12 +168,7 @@ class LargestTensor(TorchDispatchMode):
 def one_rank_ring(case, seq: int, device="cpu", dtype=torch.float32, **layout):
     """Ring attention on one rank holding the two zig-zag segments of `seq` tokens (blocks of seq/2 x seq/2):
     (output, q/k/v/sink gradients, the LargestTensor record, the reference's output and gradients)."""
-    global SEQ
-    saved, SEQ = SEQ, seq
-    try:
-        inputs, sink, doc_ids, d_out, ref_out, ref_grads, _ = reference(case, seed=3)
-    finally:
-        SEQ = saved
+    inputs, sink, doc_ids, d_out, ref_out, ref_grads, _ = reference(case, seed=3, seq=seq)
     ring_layout = RingLayout(None, 0, 1, [cp_segments(0, 1, seq, True)],
                              None if doc_ids is None else [doc_ids.to(device)], **layout)
     local = [t.detach().to(device, dtype).requires_grad_() for t in inputs]
