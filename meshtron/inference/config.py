@@ -31,12 +31,18 @@ class EngineConfig:
     max_model_len: Optional[int] = option(None, "Longest prompt + output; null means model.max_position_embeddings")
     seed: int = option(0, "Seed for requests that give none (each request gets its own generator)")
     device: str = option("auto", "Where to run: auto, cpu, cuda")
+    dtype: str = option("auto", "Dtype of the served weights and so of the KV cache: auto (bfloat16 on CUDA, "
+                                "float32 on a CPU), float32, bfloat16 or float16")
     cuda_graphs: bool = option(False, "CUDA only: replay captured graphs for steps a bucket holds (eager otherwise)")
     cuda_graph_batch_sizes: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64),
                                                      "CUDA graphs: buckets of the decode request count")
     cuda_graph_token_sizes: tuple[int, ...] = option((64, 128, 256, 512),
                                                      "CUDA graphs: buckets of the token count of steps with prefills")
-    cuda_graph_prefill_sizes: tuple[int, ...] = option((1, 2, 4), "CUDA graphs: buckets of the prefill request count")
+    cuda_graph_prefill_sizes: tuple[int, ...] = option((1, 2, 4), "CUDA graphs: a step with more prefill chunks "
+                                                                  "than the largest of these runs eagerly")
+    cuda_graph_key_sizes: tuple[int, ...] = option((256, 1024, 4096, 16384, 65536),
+                                                   "CUDA graphs: buckets of the keys (tokens) a row reads; sizes "
+                                                   "below max_model_len, plus max_model_len")
     decode_attention: str = option("auto", "Decode attention of the varlen layout: auto (the fastest available: "
                                            "native on a CPU when the C kernel builds and the weights are float32, "
                                            "else gather; gather on CUDA), gather (gather the blocks + SDPA), "
@@ -52,6 +58,7 @@ class EngineConfig:
     native_decode_attention: InitVar[Optional[bool]] = None
 
     LAYOUTS = ("varlen", "auto", "packed", "padded")
+    DTYPES = ("auto", "float32", "bfloat16", "float16")
     DECODE_ATTENTIONS = ("auto", "gather", "compiled", "native")
 
     def __post_init__(self, compile_decode_attention: Optional[bool], native_decode_attention: Optional[bool]) -> None:
@@ -76,6 +83,7 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
         need(self.device in ("auto", "cpu", "cuda"), "device", self.device, "choose auto, cpu or cuda")
+        need(self.dtype in self.DTYPES, "dtype", self.dtype, f"choose one of {self.DTYPES}")
         need(self.layout in self.LAYOUTS, "layout", self.layout, f"choose one of {self.LAYOUTS}")
         need(self.decode_attention in self.DECODE_ATTENTIONS, "decode_attention", self.decode_attention,
              f"choose one of {self.DECODE_ATTENTIONS}")
@@ -126,7 +134,8 @@ class EngineConfig:
 # the KV cache when kv_cache_memory_mb is null and no profile sized it (a CPU): a fixed size, since a
 # CPU machine's memory is shared with everything else (CI: 24 GB for all tests)
 CPU_KV_CACHE_MB = 512.0
-GRAPH_BUCKET_FIELDS = ("cuda_graph_batch_sizes", "cuda_graph_token_sizes", "cuda_graph_prefill_sizes")
+GRAPH_BUCKET_FIELDS = ("cuda_graph_batch_sizes", "cuda_graph_token_sizes", "cuda_graph_prefill_sizes",
+                       "cuda_graph_key_sizes")
 # the booleans decode_attention replaced, and the choice each one meant
 REPLACED = {"compile_decode_attention": "compiled", "native_decode_attention": "native"}
 
