@@ -119,7 +119,9 @@ class TrainConfig:
     micro_batch_size: int = option(8, "Sequences per forward/backward")
     global_batch_size: int = option(8, "Sequences per optimizer step (micro-batches are accumulated)")
     seed: int = option(1234, "Seed of parameter init, dropout and sampling")
-    precision: Literal["fp32", "bf16"] = option("fp32", "Compute precision (bf16 autocast; train fp32 on CPU)")
+    precision: Literal["auto", "fp32", "bf16"] = option(
+        "auto", "Compute precision: auto (bf16 on CUDA, fp32 on a CPU), fp32 (TF32 matmuls on CUDA) or bf16 "
+                "(autocast); weights, optimizer states and gradient reductions stay fp32")
     device: Literal["auto", "cpu", "cuda"] = option("auto", "Where to train; auto picks cuda when available")
     num_threads: Optional[int] = option(None, "torch intra-op threads; null leaves PyTorch's default")
     eval_interval: int = option(100, "Evaluate every N steps (0 disables)")

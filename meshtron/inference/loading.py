@@ -12,12 +12,14 @@ from meshtron.data.chat import read_chat_template
 __all__ = ["load_model_and_tokenizer", "model_name_for", "read_chat_template"]
 
 
-def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None):
-    """-> (model in eval mode with the checkpoint's weights, tokenizer, a model name)."""
+def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None, dtype: str = "float32"):
+    """-> (model in eval mode with the checkpoint's weights, tokenizer, a model name). dtype: an
+    engine.dtype (auto: bfloat16 on CUDA, float32 on a CPU); the engine's KV cache takes the weights' dtype."""
     from meshtron.checkpoint import load_checkpoint, read_checkpoint_config
     from meshtron.config.loader import config_from_dict
     from meshtron.data.tokenizer import build_tokenizer
     from meshtron.models import GPTModel
+    from meshtron.training.precision import resolve_engine_dtype
     from meshtron.training.trainer import resolve_device
 
     cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(path)))
@@ -30,6 +32,8 @@ def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None):
         # Sequence parallelism would split the query dimension, which is 1 for a decode: off.
         apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=False)
     load_checkpoint(path, model)
+    # cast after loading: checkpoints hold fp32 master weights, loaded as they are, then cast once
+    model.to(resolve_engine_dtype(dtype, device))
     model.eval()
     tokenizer.chat_template = read_chat_template(cfg.tokenizer.path if cfg.tokenizer.type == "hf" else None)
     return model, tokenizer, model_name_for(path)

@@ -44,6 +44,7 @@ from meshtron.training.grad_capture import GradCapture
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
+from meshtron.training.precision import enable_tf32, resolve_precision
 from meshtron.training.profiling import Ranges, StepProfiler
 from meshtron.training.resume import resolve_load, save_dir
 from meshtron.training.timers import Timers
@@ -102,6 +103,8 @@ class Trainer:
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
         self.device = resolve_device(t.device)
+        t.precision = resolve_precision(t.precision, self.device)   # auto -> bf16 on CUDA, fp32 on a CPU
+        enable_tf32(self.device)
         self.run_dir = Path(t.run_dir)
         with self.timers.startup_phase("distributed"):
             self._setup_distributed()
