@@ -9,8 +9,11 @@ parameter on to one, found to a fixed point), and follows each tensor argument b
 function's assignments. The argument fails when it is built by a tensor factory (`torch.tensor`,
 `torch.zeros`, ...) without `device=`, or with a CPU device, or passes through `.cpu()`/`.numpy()`/
 `.to("cpu")`. Tensors that come from outside the function (parameters, attributes: gradients,
-activations) are on the model's device already. `test_checker_catches_*` feed it the code issue 18
-found, so a checker that stopped seeing those patterns fails here too.
+activations) are on the model's device already; so are values returned by other functions (not
+followed: a helper that returns a CPU tensor for a collective is a blind spot, as are tensors put
+into containers by mutation). `test_checker_catches_*` feed it the code issue 18 found, so a checker
+that stopped seeing those patterns fails here too. Under MESHTRON_TEST_BACKEND=nccl (see
+meshtron/testing/multiprocess.py) the multi-rank tests check the same at run time, on GPUs.
 
 A line may opt out with `# collective-device: <why>` (e.g. a group created with backend="gloo"), on the
 collective's line or on the line that builds the tensor.
