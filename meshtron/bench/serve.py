@@ -32,11 +32,10 @@ import torch
 
 from meshtron.config.schema import ModelConfig
 from meshtron.models import GPTModel
+from meshtron.training.flops import resolve_bandwidth_gbps
 
 DEFAULT_OUTPUT = Path("benchmarks/results/serve.json")
 GOAL_RATIO = 3.0
-# HBM bandwidth in GB/s used for the batch-1 decode limit: H200 4800, H100 SXM 3350, A100 80GB 2039.
-DEFAULT_BANDWIDTH_GBPS = 4800.0
 
 
 @dataclass
@@ -255,10 +254,12 @@ def decode_batch1(model: GPTModel, args) -> list[dict[str, Any]]:
     token, against the bandwidth limit; CUDA only (the rows say n/a elsewhere)."""
     from meshtron.inference.request import SamplingParams
 
-    limit = args.bandwidth_gbps * 1e9 / weight_bytes(model)
     if args.device != "cuda":
         return [{"cuda_graphs": "n/a", "decode_tokens_per_s": None, "bandwidth_limit_tokens_per_s": None,
                  "fraction_of_limit": None, "note": f"n/a on {args.device}: the limit is a GPU memory-bandwidth bound"}]
+    # this GPU's bandwidth (datasheet by device name, else measured), not one model's for every GPU
+    args.bandwidth_gbps, args.bandwidth_source = resolve_bandwidth_gbps(args.bandwidth_gbps, torch.device("cuda"))
+    limit = args.bandwidth_gbps * 1e9 / weight_bytes(model)
     rows = []
     for graphs in graph_settings(args):
         engine = build_engine(model, args, max_num_seqs=1, cuda_graphs=graphs)
@@ -275,7 +276,8 @@ def decode_batch1(model: GPTModel, args) -> list[dict[str, Any]]:
         rate = steps / (time.perf_counter() - start)
         rows.append({"cuda_graphs": "on" if graphs else "off", "decode_tokens_per_s": rate,
                      "bandwidth_limit_tokens_per_s": limit, "fraction_of_limit": rate / limit,
-                     "graph_forwards": engine.runner.num_forwards["graph"]})
+                     "graph_forwards": engine.runner.num_forwards["graph"], "bandwidth_gbps": args.bandwidth_gbps,
+                     "bandwidth_source": args.bandwidth_source})
     return rows
 
 
@@ -305,7 +307,9 @@ def print_table(results: list[dict[str, Any]], notes: list[str]) -> None:
 
 
 def print_decode(rows: list[dict[str, Any]], args) -> None:
-    print(f"batch-1 decode ({args.decode_tokens} tokens; limit = {args.bandwidth_gbps:.0f} GB/s / weight bytes):")
+    source = getattr(args, "bandwidth_source", "given")
+    bandwidth = f"{args.bandwidth_gbps:.0f} GB/s ({source})" if args.bandwidth_gbps else "bandwidth"
+    print(f"batch-1 decode ({args.decode_tokens} tokens; limit = {bandwidth} / weight bytes):")
     for r in rows:
         if r["decode_tokens_per_s"] is None:
             print(f"  cuda graphs n/a: tok/s n/a, limit n/a ({r['note']})")
@@ -338,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (bfloat16/float16 are for GPUs; ~400x slower on these CPUs)")
     p.add_argument("--cuda-graphs", default="both", choices=["on", "off", "both"],
                    help="CUDA only: engine and batch-1 decode runs with graphs on, off or both")
-    p.add_argument("--bandwidth-gbps", type=float, default=DEFAULT_BANDWIDTH_GBPS,
-                   help="memory bandwidth for the batch-1 decode limit (H200 4800, H100 SXM 3350)")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="memory bandwidth for the batch-1 decode limit (default: the GPU's datasheet value by "
+                        "device name, e.g. H100 SXM 3350, H200 4800; a measured copy for a GPU not in the table)")
     p.add_argument("--decode-tokens", type=int, default=256, help="tokens of the batch-1 decode measurement")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

@@ -26,7 +26,8 @@ from meshtron.config.loader import OneLineParser, add_config_arguments, config_t
 from meshtron.config.schema import RunConfig
 from meshtron.models import flops_per_token
 from meshtron.training import Trainer, TrainingError
-from meshtron.training.flops import default_matmul_size, measure_matmul_flops
+from meshtron.training.flops import resolve_peak_flops
+from meshtron.training.precision import resolve_precision
 from meshtron.training.trainer import resolve_device
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,12 +98,11 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 
 def resolve_peak(cfg: RunConfig, device: torch.device, given: Optional[float]) -> tuple[float, str]:
-    """Peak FLOP/s and where it came from. CPU is measured in fp32 (its bf16 matmul is ~400x slower)."""
+    """Peak FLOP/s and where it came from: given, a known GPU's datasheet peak of the precision, else a
+    measured matmul (fp32 on a CPU), as the trainer does (training/flops.py)."""
     if given:
         return given, "given (--peak-flops)"
-    dtype = torch.bfloat16 if (cfg.train.precision == "bf16" and device.type == "cuda") else torch.float32
-    size = default_matmul_size(device)
-    return measure_matmul_flops(device, dtype, size=size), f"measured {str(dtype)[6:]} matmul {size}^3"
+    return resolve_peak_flops(None, device, resolve_precision(cfg.train.precision, device))
 
 
 # ---- measurement ------------------------------------------------------------------------------

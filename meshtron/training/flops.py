@@ -1,9 +1,12 @@
-"""Peak FLOP/s for MFU: a configured value, or a square matmul measured in this process
-(fp32 on CPU, where bf16 is far slower; the compute dtype on CUDA)."""
+"""Peak FLOP/s for MFU and HBM bandwidth: a configured value, a known GPU's datasheet (dense
+tensor-core peak of the compute precision; bandwidth for the serve benchmark), or a square matmul
+measured in this process (fp32 on a CPU; the compute dtype on a GPU missing from the table)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,3 +36,84 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return 2.0 * size**3 / min(times)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU's datasheet numbers: dense (no structured sparsity) tensor-core FLOP/s and HBM bandwidth."""
+
+    name: str
+    bf16_flops: float   # dense BF16/FP16 tensor core
+    tf32_flops: float   # dense TF32 tensor core (what fp32 matmuls run at with TF32 on)
+    bandwidth_gbps: float
+
+
+# Keyed by a substring of torch.cuda.get_device_name(), most specific first (an "H100 PCIe" also
+# contains "H100"). NVIDIA's datasheets print sparse figures for tensor cores: these are half of them.
+GPU_SPECS: tuple[tuple[str, GpuSpec], ...] = (
+    ("H200 NVL", GpuSpec("H200 NVL", 835.5e12, 417.5e12, 4800.0)),
+    ("H200", GpuSpec("H200 SXM", 989.4e12, 494.7e12, 4800.0)),
+    ("H100 NVL", GpuSpec("H100 NVL", 835.5e12, 417.5e12, 3900.0)),
+    ("H100 PCIe", GpuSpec("H100 PCIe", 756.5e12, 378.0e12, 2000.0)),
+    ("H100", GpuSpec("H100 SXM", 989.4e12, 494.7e12, 3350.0)),
+    ("A100 80GB PCIe", GpuSpec("A100 80GB PCIe", 312e12, 156e12, 1935.0)),
+    ("A100-PCIE-40GB", GpuSpec("A100 40GB PCIe", 312e12, 156e12, 1555.0)),
+    ("A100-SXM4-40GB", GpuSpec("A100 40GB SXM", 312e12, 156e12, 1555.0)),
+    ("A100", GpuSpec("A100 80GB SXM", 312e12, 156e12, 2039.0)),
+    ("L40S", GpuSpec("L40S", 362.05e12, 183.0e12, 864.0)),
+    ("B200", GpuSpec("B200", 2250e12, 1100e12, 8000.0)),
+)
+
+
+def gpu_spec(device_name: str) -> Optional[GpuSpec]:
+    """The datasheet entry of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"); None if unknown."""
+    for key, spec in GPU_SPECS:
+        if key.lower() in device_name.lower():
+            return spec
+    return None
+
+
+def resolve_peak_flops(configured: Optional[float], device: torch.device, precision: str) -> tuple[float, str]:
+    """The peak FLOP/s MFU divides by, and where it came from: the configured value; on a known GPU the
+    datasheet's dense peak of the compute precision (bf16, or TF32 for fp32); on an unknown GPU a
+    measured matmul (which reads below the datasheet, so MFU reads high: the note says so); on a CPU
+    the measured fp32 matmul (bf16 speed depends on the CPU's instructions)."""
+    if configured:
+        return configured, "train.peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        spec = gpu_spec(name)
+        if spec is not None:
+            bf16 = precision == "bf16"
+            return (spec.bf16_flops if bf16 else spec.tf32_flops), f"datasheet {spec.name} dense {'bf16' if bf16 else 'tf32'}"
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        return (measure_matmul_flops(device, dtype),
+                f"measured {str(dtype)[6:]} matmul: {name!r} is not in the datasheet table, so MFU reads high; "
+                "set train.peak_flops")
+    return measure_matmul_flops(device, torch.float32), "measured fp32 matmul"
+
+
+def measure_copy_bandwidth_gbps(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best device-to-device copy rate in GB/s (each byte read once and written once)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * num_bytes / min(times[1:]) / 1e9
+
+
+def resolve_bandwidth_gbps(given: Optional[float], device: torch.device) -> tuple[float, str]:
+    """A CUDA device's HBM bandwidth in GB/s and where it came from: the given value, the datasheet of
+    a known GPU, or a measured copy (below the datasheet: fractions of it read high) for an unknown one."""
+    if given:
+        return given, "given"
+    name = torch.cuda.get_device_name(device)
+    spec = gpu_spec(name)
+    if spec is not None:
+        return spec.bandwidth_gbps, f"datasheet {spec.name}"
+    return measure_copy_bandwidth_gbps(device), f"measured device copy: {name!r} is not in the datasheet table"

@@ -39,7 +39,7 @@ from meshtron.parallel.dims import ParallelDims
 from meshtron.parallel.distributed import all_reduce_sum, init_distributed
 from meshtron.parallel.parts import ModelParts
 from meshtron.parallel.watchdog import Watchdog, step_time_extremes
-from meshtron.training.flops import measure_matmul_flops
+from meshtron.training.flops import resolve_peak_flops
 from meshtron.training.grad_capture import GradCapture
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
@@ -130,8 +130,8 @@ class Trainer:
             with self.timers.startup_phase("checkpoint_load"):
                 self.load(self.resumed_from)
         with self.timers.startup_phase("peak_flops"):
-            self.peak_flops = t.peak_flops or measure_matmul_flops(
-                self.device, torch.bfloat16 if (t.precision == "bf16" and self.device.type == "cuda") else torch.float32)
+            # a known GPU's datasheet peak, else a measured matmul (see training/flops.py)
+            self.peak_flops, self.peak_flops_source = resolve_peak_flops(t.peak_flops, self.device, t.precision)
 
     def _setup_distributed(self) -> None:
         p = self.cfg.parallel
@@ -519,7 +519,7 @@ class Trainer:
         elif cfg.checkpoint.load == AUTO_LOAD:
             logger.message(f"checkpoint: load auto found no checkpoint in {save_dir(cfg)}; starting fresh")
         startup = " | ".join(f"{k} {v:.2f}s" for k, v in self.timers.startup.items())
-        logger.message(f"startup: {startup} | peak {self.peak_flops / 1e9:.1f} GFLOP/s")
+        logger.message(f"startup: {startup} | peak {self.peak_flops / 1e9:.1f} GFLOP/s ({self.peak_flops_source})")
         logger.log(self.step, {f"startup_{k}_s": v for k, v in self.timers.startup.items()}, kind="startup", echo=False)
 
     def _loop(self, logger: MetricsLogger) -> None:
