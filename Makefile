@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow test-all lint bench clean
+.PHONY: run test test-slow test-all lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m meshtron bench train
+
+# On one GPU, under 10 minutes: environment, kernels, host syncs, bf16 parity, MFU, graphs, ... (JSON + table);
+# without CUDA it prints one line and exits 0.
+gpu-check: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m meshtron.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
