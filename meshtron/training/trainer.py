@@ -42,6 +42,7 @@ from meshtron.parallel.watchdog import Watchdog, step_time_extremes
 from meshtron.training.flops import resolve_peak_flops
 from meshtron.training.grad_capture import GradCapture
 from meshtron.training.lr_schedule import LRSchedule
+from meshtron.training.memory import configure_cuda_allocator, interval_peak_memory
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
 from meshtron.training.precision import enable_tf32, resolve_precision
@@ -102,6 +103,7 @@ class Trainer:
         t = cfg.train
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
+        configure_cuda_allocator()   # expandable segments, before CUDA is initialised
         self.device = resolve_device(t.device)
         t.precision = resolve_precision(t.precision, self.device)   # auto -> bf16 on CUDA, fp32 on a CPU
         enable_tf32(self.device)
@@ -573,6 +575,7 @@ class Trainer:
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
             "step_ms": 1e3 * seconds / len(window),
             "skipped": self.num_skipped,
+            **interval_peak_memory(self.device),   # CUDA only: the interval's peak allocated memory
             # separately logged losses (MTP depths, issue 4), averaged like the loss
             **{k: sum(r.extra[k] for r in good) / len(good) for k in (good[-1].extra if good else {})},
         }
