@@ -61,6 +61,16 @@ def model_optimizer_state(model: torch.nn.Module, optimizer: Optional[torch.opti
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def staging_options(on_cuda: bool):
+    """Async-save staging: pinned host buffers and non-blocking device -> host copies on CUDA (a copy
+    into pageable memory is synchronous and slower); plain host buffers on a CPU. Staging itself runs
+    in the caller (the copies must finish before training changes the tensors), never shared memory."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=False, use_async_staging=False,
+                          use_non_blocking_copy=on_cuda)
+
+
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -78,6 +88,7 @@ class CheckpointManager:
         self.keep_last, self.async_save = keep_last, async_save
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._stager = None   # async saves: staging buffers reused from one save to the next
         self._group = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             from datetime import timedelta
@@ -99,13 +110,23 @@ class CheckpointManager:
         self.wait()
         state = model_optimizer_state(model, optimizer)
         if self.async_save:
-            state = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, state)
+            state = self._stage(state)
             trainer_state = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, trainer_state)
             self._thread = threading.Thread(
                 target=self._write_guarded, args=(step, state, trainer_state, config_yaml, before_finalize), daemon=True)
             self._thread.start()
         else:
             self._write(step, state, trainer_state, config_yaml, before_finalize)
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Host copies of the state for the writer thread, in staging buffers kept across saves (one
+        per tensor storage: allocated, and pinned on CUDA, once; later saves copy into them). The
+        previous save has finished (save() waits first), so its buffers are free to overwrite."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager
+
+            self._stager = DefaultStager(staging_options(torch.cuda.is_available()))
+        return self._stager.stage(state)
 
     def wait(self) -> None:
         """Block until a pending async save is on disk; re-raise its error if it failed."""
