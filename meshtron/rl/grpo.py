@@ -34,6 +34,7 @@ from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
 from meshtron.rl.replay import replay_routing
 from meshtron.rl.rollout import Rollout
 from meshtron.rl.tensor_parallel import vocab_parallel_log_probs
+from meshtron.training.precision import autocast
 
 SUM_STATS = ("tokens", "clipped_low", "clipped_high", "ratio", "is_weight", "kl", "entropy", "logprob_gap")
 
@@ -136,6 +137,7 @@ class GRPOUpdate:
         self.model, self.optimizer, self.cfg = model, optimizer, rl_cfg
         self.clip_grad, self.pad_id, self.micro_batch_size = clip_grad, pad_id, micro_batch_size
         self.device, self.ref_model = device, ref_model
+        self.precision = "fp32"   # resolved train.precision; the trainer sets bf16 (autocast forwards)
         self.loss_cfg = PolicyLossConfig(rl_cfg.clip_eps_low, rl_cfg.clip_eps_high, rl_cfg.kl_beta,
                                          rl_cfg.entropy_coef, rl_cfg.is_truncation)
 
@@ -148,7 +150,8 @@ class GRPOUpdate:
     @torch.no_grad()
     def _old_log_probs(self, batches: list[dict[str, torch.Tensor]]) -> None:
         for mb in batches:
-            mb["old_log_probs"] = forward_log_probs(self.model, mb, self.cfg.temperature)[0]
+            with autocast(self.device, self.precision):
+                mb["old_log_probs"] = forward_log_probs(self.model, mb, self.cfg.temperature)[0]
 
     def run(self, mini_batches: list[list[Rollout]], lr_at: Callable[[], float]) -> dict[str, float]:
         """One optimizer step per mini-batch; returns the step's statistics (global over ranks)."""
@@ -209,20 +212,21 @@ class GRPOUpdate:
         return clip_grad_norm_(list(self.model.parameters()), clip)
 
     def _micro_batch(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        log_probs, entropy = forward_log_probs(self.model, mb, self.cfg.temperature,
-                                               entropy_grad=self.cfg.entropy_coef > 0)
+        with autocast(self.device, self.precision):   # the backward runs outside, as autocast asks
+            log_probs, entropy = forward_log_probs(self.model, mb, self.cfg.temperature,
+                                                   entropy_grad=self.cfg.entropy_coef > 0)
+            ref = None
+            if self.ref_model is not None and self.cfg.kl_beta > 0:
+                with torch.no_grad():
+                    ref = forward_log_probs(self.ref_model, mb, self.cfg.temperature)[0]
         old = mb.get("old_log_probs", log_probs.detach())
-        ref = None
-        if self.ref_model is not None and self.cfg.kl_beta > 0:
-            with torch.no_grad():
-                ref = forward_log_probs(self.ref_model, mb, self.cfg.temperature)[0]
         return policy_loss(log_probs, old, mb["advantages"], mb["weights"], self.loss_cfg,
                            rollout_log_probs=mb["rollout_log_probs"], ref_log_probs=ref, entropy=entropy)
 
 
 def supervised_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: list[TrainSequence],
                     pack_length: int, pad_id: int, micro_batch_size: int, device: torch.device, lr: float,
-                    clip_grad: float, group=None) -> dict[str, float]:
+                    clip_grad: float, group=None, precision: str = "fp32") -> dict[str, float]:
     """Cross-entropy on the demonstration tokens (weights already normalised); one optimizer step."""
     model.train()
     for param_group in optimizer.param_groups:
@@ -232,7 +236,8 @@ def supervised_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, se
     for mb in micro_batches(rows, micro_batch_size):
         mb = {k: v.to(device) for k, v in mb.items()}
         ctx = PackedContext.for_tokens(mb["input_ids"], mb["document_ids"], mb["position_ids"])
-        logits = model(mb["input_ids"], ctx)
+        with autocast(device, precision):
+            logits = model(mb["input_ids"], ctx)
         if isinstance(logits, DTensor):
             log_probs = vocab_parallel_log_probs(logits, mb["labels"])[0]
         else:

@@ -50,6 +50,7 @@ from meshtron.rl.rollout import EvaluationAgent, GroupedRollouts, PassAtKEvaluat
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
 from meshtron.training.optimizer import build_optimizer
+from meshtron.training.precision import enable_tf32, resolve_precision
 from meshtron.training.resume import resolve_load, save_dir
 from meshtron.training.trainer import resolve_device, rng_state, seed_everything, set_rng_state
 
@@ -68,6 +69,8 @@ class GRPOTrainer:
         if t.num_threads is not None:
             torch.set_num_threads(t.num_threads)
         self.device = resolve_device(t.device)
+        t.precision = resolve_precision(t.precision, self.device)   # auto: bf16 autocast on CUDA, fp32 on a CPU
+        enable_tf32(self.device)
         self.run_dir = Path(t.run_dir)
         self._setup_distributed()
         seed_everything(t.seed)
@@ -239,7 +242,7 @@ class GRPOTrainer:
             else:
                 metrics = supervised_step(self.model, optimizer, seqs, rl.pack_length, self.tokenizer.pad_id,
                                           t.micro_batch_size, self.device, schedule(step),
-                                          self.cfg.optimizer.clip_grad, self.dp_group)
+                                          self.cfg.optimizer.clip_grad, self.dp_group, precision=t.precision)
             if step % self.cfg.logger.log_interval == 0 or step == rl.warmup_steps:
                 logger.log(step, metrics, kind="warmup")
         self.backend.suspend()  # the prefix cache holds keys/values of the weights before the warm-up
@@ -284,6 +287,7 @@ class GRPOTrainer:
             update = PipelineGRPOUpdate(self.pipeline, self.ref_parts, *args, group=self.dp_group)
         else:
             update = GRPOUpdate(*args, self.ref_model, self.dp_group)
+        update.precision = self.cfg.train.precision   # training forwards; rollouts run on the fp32 weights
         mini_batches = split_mini_batches(rollouts, rl.updates_per_step, self.cfg.train.seed, self.step,
                                           self.consumed_prompts, rl.prompts_per_step, rl.group_size)
 

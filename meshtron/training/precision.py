@@ -4,6 +4,8 @@ every precision: bf16 is autocast (or FSDP's param_dtype with fp32 reduce_dtype)
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
@@ -36,3 +38,10 @@ def enable_tf32(device: torch.device) -> bool:
         return False
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     return True
+
+
+def autocast(device: torch.device, precision: str):
+    """The forward's context for a resolved precision: bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
