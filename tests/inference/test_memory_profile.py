@@ -78,3 +78,13 @@ def test_explicit_sizes_win_and_the_cpu_keeps_its_default():
 def test_utilization_is_checked():
     with pytest.raises(ConfigError, match="engine.gpu_memory_utilization: 1.5 is not allowed"):
         EngineConfig(gpu_memory_utilization=1.5).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiling free memory needs a CUDA device")
+def test_engine_on_cuda_sizes_its_cache_from_free_memory():
+    model = tiny_model().cuda()
+    free, total = torch.cuda.mem_get_info()
+    eng = engine(model, block_size=4, gpu_memory_utilization=0.5)
+    cache_bytes = eng.config.num_blocks * 4 * kv_bytes_per_token(model)
+    assert cache_bytes <= 0.5 * total - (total - free)
+    assert cache_bytes >= 0.9 * (0.5 * total - (total - free)) - 2**30  # a tiny model's step is well under 1 GiB
