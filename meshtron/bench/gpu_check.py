@@ -25,8 +25,6 @@ from typing import Any, Optional
 import torch
 
 DEFAULT_OUTPUT = Path("benchmarks/results/gpu_check.json")
-# Datasheet figures (dense bf16 tensor-core FLOP/s, HBM bytes/s), matched against the device name.
-DATASHEET = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12)}
 # 20 bf16 steps track fp32 within this relative loss difference
 BF16_LOSS_RTOL = 0.02
 NOTHING_TO_CHECK = "gpu-check: no CUDA device here; nothing to check (run it on a GPU machine)"
@@ -56,11 +54,12 @@ class Result:
 
 
 def datasheet(device: torch.device) -> Optional[tuple[float, float]]:
-    """(peak bf16 FLOP/s, HBM bytes/s) of the device from its name; None when unknown or a CPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in DATASHEET.items() if k in name), None)
+    """(dense bf16 FLOP/s, HBM bytes/s) of the device from meshtron's datasheet table; None when
+    unknown or a CPU."""
+    from meshtron.training.flops import gpu_spec
+
+    spec = gpu_spec(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return (spec.bf16_flops, spec.bandwidth_gbps * 1e9) if spec is not None else None
 
 
 def needs_cuda(ctx: Context) -> Optional[Outcome]:

@@ -159,11 +159,23 @@ def blank_batch(bucket: GraphBucket, cache: PagedKVCache) -> PagedBatch:
     return PagedBatch(t["tokens"], ctx, torch.zeros(0, dtype=torch.long, device=cache.device), [])
 
 
+def declared_host_syncs(model: nn.Module) -> list[str]:
+    """What the model's MoE sublayers say makes them read the device on the host (their dtype and device)."""
+    reasons: list[str] = []
+    for layer in getattr(model, "layers", []):
+        mixer = getattr(layer, "mixer", None)
+        if getattr(layer, "symbol", None) == "E" and hasattr(mixer, "host_sync_reasons"):
+            weight = next(mixer.parameters())
+            reasons += [r for r in mixer.host_sync_reasons(weight.dtype, weight.device) if r not in reasons]
+    return reasons
+
+
 def refusal(model: nn.Module, error: BaseException) -> ConfigError:
-    """One line: the model's forward cannot be captured (a host sync), and what to do."""
+    """One line: the model's forward cannot be captured (a host sync), why, and what to do."""
     moe = any(getattr(layer, "symbol", None) == "E" for layer in getattr(model, "layers", []))
     what = "its MoE layers sync with the host" if moe else "its forward syncs with the host"
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    declared = declared_host_syncs(model) if moe else []
+    reason = declared[0] if declared else (str(error).strip().splitlines() or [type(error).__name__])[0]
     return ConfigError(f"engine.cuda_graphs: this model cannot be captured in a CUDA graph ({what}: {reason}); "
                        "serve it without cuda_graphs")
 

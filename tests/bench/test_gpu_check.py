@@ -117,3 +117,9 @@ def test_cuda_only_checks_skip_without_cuda(ctx, name):
 def test_cuda_checks_on_cuda(tmp_path, name):
     result = run_check(name, CHECKS[name], Context(torch.device("cuda"), False, tmp_path))
     assert result.status in ("pass", "info"), result
+
+
+def test_datasheet_from_the_device_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert gpu_check.datasheet(torch.device("cuda")) == (989.4e12, 3350e9)
+    assert gpu_check.datasheet(torch.device("cpu")) is None

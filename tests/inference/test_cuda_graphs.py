@@ -138,7 +138,22 @@ def test_a_forward_that_cannot_be_captured_is_refused(monkeypatch):
         runner.capture_all()
     assert runner.graphs == {}
     model.layers[1].symbol = "E"  # reported as MoE when the model has MoE layers
-    with pytest.raises(ConfigError, match="its MoE layers sync with the host"):
+    with pytest.raises(ConfigError, match="its MoE layers sync with the host: CUDA error"):
+        runner.capture_all()
+
+
+def test_a_moe_refusal_names_the_declared_reason(monkeypatch):
+    """A MoE model whose capture fails: the line gives the reason its MoE layers declare."""
+    model = tiny_model("moe")
+    cfg = resolved(block_size=4, max_model_len=32, cuda_graph_key_sizes=(8,), cuda_graph_batch_sizes=(1,),
+                   cuda_graph_token_sizes=(8,))
+    runner = CudaGraphRunner(model, PagedKVCache(8, 4, torch.device("cpu")), cfg)
+    monkeypatch.setattr(cuda_graphs, "_Graph", lambda *a: (_ for _ in ()).throw(RuntimeError("capture failed")))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    moe = next(layer.mixer for layer in model.layers if layer.symbol == "E")
+    monkeypatch.setattr(moe, "host_sync_reasons", lambda dtype, device: ["the experts run as a loop"])
+    with pytest.raises(ConfigError, match=r"\(its MoE layers sync with the host: the experts run as a loop\); "
+                                          "serve it without cuda_graphs$"):
         runner.capture_all()
 
 
