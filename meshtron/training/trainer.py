@@ -133,7 +133,9 @@ class Trainer:
                 self.load(self.resumed_from)
         with self.timers.startup_phase("peak_flops"):
             # a known GPU's datasheet peak, else a measured matmul (see training/flops.py)
-            self.peak_flops, self.peak_flops_source = resolve_peak_flops(t.peak_flops, self.device, t.precision)
+            peak, source = resolve_peak_flops(t.peak_flops, self.device, t.precision)
+            self.peak_flops = peak
+            self.peak_flops_source = source
 
     def _setup_distributed(self) -> None:
         p = self.cfg.parallel
