@@ -10,75 +10,15 @@ make one. Numerics: bf16 and fp32 layers against the float64 per-token loop, gro
 
 from __future__ import annotations
 
-import traceback
-from contextlib import contextmanager
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.nn.moe import GroupedExperts
 from meshtron.nn.moe.dispatcher import permute, unpermute
 from meshtron.nn.moe.routing_map import RowBound, build_routing_map
+from meshtron.testing.host_reads import count_host_reads
 from tests.nn import moe_reference as ref
 from tests.nn.test_moe import make_cfg, make_layer
-
-READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
-VALUE_SHAPED_OPS = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-                    "bincount", "_local_scalar_dense", "argwhere"}
-
-
-def _site() -> str:
-    """'file:line' of the innermost meshtron frame making the read (for the failure message)."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/meshtron/" in frame.filename:
-            return f"{frame.filename.split('/meshtron/')[-1]}:{frame.lineno}"
-    return "?"
-
-
-class _ValueShapedOps(TorchDispatchMode):
-    def __init__(self, log: list[str], inside: list[int]):
-        super().__init__()
-        self.log, self.inside = log, inside
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        reads = name in VALUE_SHAPED_OPS
-        reads |= name == "repeat_interleave" and kwargs.get("output_size", args[2] if len(args) > 2 else None) is None \
-            and isinstance(args[0], torch.Tensor) and len(args) > 1 and isinstance(args[1], torch.Tensor)
-        reads |= name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
-        if reads and not self.inside[0]:
-            self.log.append(f"{func} at {_site()}")
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def count_host_reads():
-    """Yields a list collecting one 'what at file:line' entry per host read while active."""
-    log: list[str] = []
-    inside = [0]  # a read's own implementation may read again (float -> item): count the outer one
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def wrap(name, original):
-        def counted(self, *args, **kwargs):
-            if not inside[0]:
-                log.append(f"{name} at {_site()}")
-            inside[0] += 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                inside[0] -= 1
-        return counted
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(name, original))
-    try:
-        with _ValueShapedOps(log, inside):
-            yield log
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def step_reads(layer, x: torch.Tensor) -> list[str]:

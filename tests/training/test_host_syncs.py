@@ -13,86 +13,20 @@ a dispatch mode, the operators that read the device (`_local_scalar_dense`, `non
 from __future__ import annotations
 
 import collections
-import os
-import traceback
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import meshtron
+from meshtron.testing.host_reads import count_host_reads
 from meshtron.testing.multiprocess import run_ranks
-
-READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
-SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
-
-
-PACKAGE = str(Path(meshtron.__file__).parent) + os.sep
-TORCH = str(Path(torch.__file__).parent) + os.sep
-
-
-def _meshtron_site(skip_torch: bool) -> str | None:
-    """'file:line' of the meshtron code making the read, or None when the read is not meshtron's own:
-    torch's internals read host-resident tensors by design (e.g. the optimizers' step counters stay on
-    the CPU unless capturable), which no CPU test can tell from device reads."""
-    for frame in reversed(traceback.extract_stack()[:-2]):  # without this function and its caller here
-        if skip_torch and frame.filename.startswith(TORCH):
-            continue
-        if frame.filename.startswith(PACKAGE):
-            return f"{frame.filename[len(PACKAGE):]}:{frame.lineno}"
-        return None
-    return None
-
-
-class _SyncOps(TorchDispatchMode):
-    def __init__(self, log: list[str], inside: list[int]):
-        super().__init__()
-        self.log, self.inside = log, inside
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in SYNC_OPS and not self.inside[0]:  # not already counted as a Python-level read
-            site = _meshtron_site(skip_torch=True)
-            if site:
-                self.log.append(f"{func} at {site}")
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def count_host_reads():
-    """Yields a list that collects one entry ('what at file:line') per host read while active."""
-    log: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-    inside = [0]  # a read's own implementation may call another (e.g. __float__ -> item): count the outer one
-
-    def wrap(name, original):
-        def counted(self, *args, **kwargs):
-            site = None if inside[0] else _meshtron_site(skip_torch=False)
-            if site:
-                log.append(f"{name} at {site}")
-            inside[0] += 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                inside[0] -= 1
-        return counted
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(name, original))
-    try:
-        with _SyncOps(log, inside):
-            yield log
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _step_reads(trainer) -> list[str]:
     """Host reads of the second step (the first one builds lazily: pipeline schedules, FSDP state)."""
     trainer.train_step(trainer.loader.next_global_batch())
     batch = trainer.loader.next_global_batch()
-    with count_host_reads() as log:
+    with count_host_reads(only_meshtron=True) as log:
         trainer.train_step(batch)
     return log
 
@@ -183,7 +117,7 @@ def test_clipping_scales_each_group_with_one_kernel():
         r.grad = g.clone()
     expected_norm = float(torch.nn.utils.clip_grad_norm_(reference, 0.1))
     with count_calls(torch, "_foreach_mul_") as foreach, count_calls(torch.Tensor, "mul_") as mul, \
-            count_host_reads() as reads:
+            count_host_reads(only_meshtron=True) as reads:
         norm = clip_grad_norm_(list(model.parameters()), 0.1)
     assert norm == pytest.approx(expected_norm, rel=1e-6)
     for p, r in zip(model.parameters(), reference):
