@@ -20,10 +20,10 @@ def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: 
     """logits (batch, seq, vocab), labels (batch, seq), loss_mask (batch, seq) of 0/1.
     chunk_rows: tokens upcast at a time (default: CHUNK_ELEMENTS // vocab)."""
     flat = logits.flatten(0, 1)
-    if type(flat) is torch.Tensor:
+    if not hasattr(flat, "to_local"):  # plain (and fake, for `meshtron plan`) tensors
         rows = chunk_rows or max(1, CHUNK_ELEMENTS // flat.shape[-1])
         losses = ChunkedCrossEntropy.apply(flat, labels.flatten(), rows)
-    else:   # tensor subclasses (DTensor) keep PyTorch's kernel
+    else:   # a DTensor (vocab-parallel logits) keeps PyTorch's kernel
         losses = F.cross_entropy(flat.float(), labels.flatten(), reduction="none")
     if loss_mask is None:
         return losses.sum(), torch.tensor(labels.numel(), device=labels.device)
