@@ -280,7 +280,9 @@ class LLMEngine:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "add" and self.fatal_error is not None:
+                self._reject(item, f"the engine is not running: {self.fatal_error}")
+            elif kind == "add":
                 try:
                     self._admit(item)
                 except Exception as e:  # this request fails alone, whatever went wrong
@@ -376,7 +378,8 @@ class LLMEngine:
         if self.fatal_error is None:
             self.start_background_loop()
         if self.fatal_error is not None:  # also catches a request queued while the loop died
-            self._fail_inbox()
+            with self._lock:
+                self._drain_inbox()
 
     def start_background_loop(self) -> None:
         if self._thread is None and self.fatal_error is None:
@@ -412,8 +415,7 @@ class LLMEngine:
         """After a step raised: fail every request in flight and check the cache is whole again;
         -> whether the engine can go on."""
         with self._lock:
-            for req_id in list(self.scheduler.requests):
-                self._emit([self._fail(req_id, message, decode=False)])
+            self._fail_in_flight(message)
             try:
                 self.kv.reset()  # every block must be free now; the prefix cache may be stale
             except Exception:
@@ -425,23 +427,16 @@ class LLMEngine:
         """The engine cannot go on: record why, fail everything in flight and everything queued."""
         with self._lock:
             self.fatal_error = message
-            for req_id in list(self.scheduler.requests):
-                try:
-                    self._emit([self._fail(req_id, message, decode=False)])
-                except Exception:
-                    log.exception("failing %s", req_id)
-        self._fail_inbox()
+            self._fail_in_flight(message)
+            self._drain_inbox()  # rejects what is queued: the engine is not running
         log.error("%s", message)
 
-    def _fail_inbox(self) -> None:
-        with self._lock:
-            while True:
-                try:
-                    kind, item = self._inbox.get_nowait()
-                except queue.Empty:
-                    return
-                if kind == "add":
-                    self._reject(item, f"the engine is not running: {self.fatal_error}")
+    def _fail_in_flight(self, message: str) -> None:
+        for req_id in list(self.scheduler.requests):
+            try:
+                self._emit([self._fail(req_id, message, decode=False)])
+            except Exception:
+                log.exception("failing %s", req_id)
 
     def shutdown(self, abort_running: bool = True) -> None:
         """Stop the background thread; abort what is still running (the server drains first)."""
