@@ -82,25 +82,25 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     instead of a token; the other rows are sampled exactly as they would be without it."""
     raw = logits.float()
     logits = process_rows(raw, params, requests if requests is not None else [None] * len(params))
-    errors: list[Optional[str]] = [None] * len(params)
-    bad_logits = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
-    for i in bad_logits.nonzero()[:, 0].tolist():  # one host sync per step; empty unless something broke
-        errors[i] = "the model produced non-finite logits for this request; it was not sampled"
+    # a row is unusable with NaN/+inf logits or (sampled rows) no finite probability mass; checked in one
+    # host read before multinomial, which raises on a CPU but trips a device assert on a GPU
+    unusable = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
     token_ids = logits.argmax(-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy and errors[i] is None]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     log_prob_logits = raw
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
         scaled = filter_rows(logits[index] / temperature[:, None], [params[i] for i in random_rows])
         probs = scaled.softmax(-1)
-        # checked before multinomial, which raises on CPU but trips a device assert on a GPU
-        unusable = ((~probs.isfinite()).any(-1) | (probs.sum(-1) <= 0)).tolist()
+        unusable[index] |= (~probs.isfinite()).any(-1) | (probs.sum(-1) <= 0)
+    flags = unusable.tolist()
+    errors = ["this request could not be sampled: its logits or probabilities are not finite (check temperature)"
+              if bad else None for bad in flags]
+    if random_rows:
         for j, i in enumerate(random_rows):
-            if unusable[j]:
-                errors[i] = "sampling failed for this request: its probabilities are not finite; check temperature"
-                continue
-            token_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+            if not flags[i]:
+                token_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
         processed = [j for j, i in enumerate(random_rows) if params[i].return_log_probs
                      and params[i].logprobs_mode == "processed"]
         if processed:
