@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# megatron-core, the reference for Megatron interop tests: 0.19.2 (the version the interop was written
+	# against) declares Python >= 3.12 but ships a cp311 wheel that works here; --no-deps keeps torch pinned.
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	touch $(STAMP)
 
 # The embedded corpus (CPython stdlib sources) -> a BPE tokenizer -> an indexed dataset, built once.
