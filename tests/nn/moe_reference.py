@@ -51,17 +51,21 @@ def normalised_scores(logits: torch.Tensor, cfg) -> list[float]:
     return (s / s.sum()).tolist()
 
 
-def balancing_loss(logits: torch.Tensor, chosen: list[list[int]], cfg, seq_len: int) -> float:
-    """coeff * E * sum_i f_i P_i over the batch, or per sequence and averaged."""
+def balancing_loss(logits: torch.Tensor, cfg, seq_len: int) -> float:
+    """coeff * E * sum_i f_i P_i over the batch, or per sequence and averaged (DeepSeek-V3 eq. 17-18 /
+    20-21): f_i counts the tokens whose k largest normalised scores s' include expert i (plain top-k,
+    no expert bias, no group limit), P_i is the mean of s'_i."""
     T, E = logits.shape
     k = cfg.moe_router_topk
+    scores = [normalised_scores(logits[t], cfg) for t in range(T)]
+    top = [sorted(range(E), key=lambda e: -scores[t][e])[:k] for t in range(T)]
     groups = [range(T)] if cfg.moe_router_load_balancing_type == "aux_loss" else \
         [range(s, s + seq_len) for s in range(0, T, seq_len)]
     total = 0.0
     for g in groups:
         for i in range(E):
-            f = sum(1 for t in g if i in chosen[t]) / (len(g) * k)
-            p = sum(normalised_scores(logits[t], cfg)[i] for t in g) / len(g)
+            f = sum(1 for t in g if i in top[t]) / (len(g) * k)
+            p = sum(scores[t][i] for t in g) / len(g)
             total += E * f * p
     return cfg.moe_aux_loss_coeff * total / len(groups)
 

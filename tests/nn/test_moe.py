@@ -60,20 +60,86 @@ def test_router_matches_per_token_loop(variant):
     tokens = x.reshape(-1, cfg.hidden_size).double()
     bias = None if layer.router.bias is None else layer.router.bias.double()
     logits = torch.nn.functional.linear(tokens, layer.router.weight.double(), bias)
-    chosen_all = []
     for t in range(tokens.shape[0]):
         chosen, weights = ref.route_token(logits[t], cfg, layer.router.expert_bias)
         got = dict(zip(indices[t].tolist(), probs[t].tolist()))
         assert sorted(got) == sorted(chosen), f"token {t}"
         for e, w in zip(chosen, weights):
             assert got[e] == pytest.approx(w, abs=1e-6)
-        chosen_all.append(chosen)
     expected = 0.0
     if cfg.moe_router_load_balancing_type != "none":
-        expected += ref.balancing_loss(logits, chosen_all, cfg, seq_len=5)
+        expected += ref.balancing_loss(logits, cfg, seq_len=5)
     if cfg.moe_z_loss_coeff:
         expected += ref.z_loss(logits, cfg.moe_z_loss_coeff)
     assert float(aux) == pytest.approx(expected, rel=1e-5, abs=1e-8)
+
+
+# routers whose picks differ from the plain top-k (expert bias, groups, replay) and plain ones
+BALANCED = {
+    "softmax_aux": dict(),
+    "softmax_pre_seq_aux": dict(moe_router_pre_softmax=True, moe_router_load_balancing_type="seq_aux_loss"),
+    "sigmoid_bias_aux": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+    "sigmoid_groups_bias_seq_aux": ROUTERS["sigmoid_groups_bias"],
+    "softmax_groups_aux": dict(moe_router_num_groups=4, moe_router_group_topk=1),
+}
+
+
+def biased_layer(cfg: ModelConfig) -> MoELayer:
+    """A layer whose expert bias (when it has one) is large enough to change most tokens' picks."""
+    layer = make_layer(cfg)
+    if layer.router.expert_bias is not None:
+        layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, cfg.num_moe_experts))
+    return layer
+
+
+@pytest.mark.parametrize("variant", sorted(BALANCED))
+def test_balancing_loss_matches_megatron_core(variant):
+    """The aux / seq-aux loss against megatron-core's own functions on the same logits:
+    compute_routing_scores_for_aux_loss (plain top-k of the unbiased scores) and
+    switch_load_balancing_loss_func, the sequence-level loss computed as Megatron's router does it
+    (sequence-major tokens, the batch folded into the expert dim, divided by the batch size)."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    cfg = make_cfg(**BALANCED[variant])
+    layer = biased_layer(cfg)
+    batch, seq, E, k = 3, 6, cfg.num_moe_experts, cfg.moe_router_topk
+    x = torch.randn(batch, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    _, indices, aux = layer.router(x)
+    with torch.no_grad():
+        logits = layer.router.logits(x.reshape(-1, cfg.hidden_size)).view(batch, seq, E)
+    plain = logits.reshape(-1, E).topk(k, dim=-1).indices
+    if cfg.moe_router_enable_expert_bias or cfg.moe_router_num_groups:  # the case the loss must not follow
+        assert not torch.equal(indices.sort(-1).values, plain.sort(-1).values)
+    megatron_logits = logits.transpose(0, 1).reshape(-1, E)  # Megatron orders tokens (seq, batch)
+    routing_map, scores = moe_utils.compute_routing_scores_for_aux_loss(megatron_logits, k,
+                                                                        cfg.moe_router_score_function)
+    coeff = cfg.moe_aux_loss_coeff
+    if cfg.moe_router_load_balancing_type == "aux_loss":
+        expected = moe_utils.switch_load_balancing_loss_func(scores, routing_map.sum(0), batch * seq, k, E, coeff)
+    else:
+        per_seq_map = routing_map.reshape(seq, -1)
+        expected = moe_utils.switch_load_balancing_loss_func(scores.reshape(seq, -1), per_seq_map.sum(0), seq, k, E,
+                                                             coeff) / batch
+    assert float(aux) == pytest.approx(float(expected), rel=1e-6)
+    assert float(aux) == pytest.approx(ref.balancing_loss(logits.reshape(-1, E).double(), cfg, seq_len=seq), rel=1e-5)
+
+
+def test_balancing_loss_ignores_the_expert_bias_by_hand():
+    """Two experts, top-1, two tokens both preferring expert 0; a bias of +1 on expert 1 sends both there.
+    DeepSeek-V3 eq. 17-18: f = (1, 0) from the unbiased picks, so the loss is 2 * P_0, not 2 * P_1."""
+    cfg = make_cfg(num_moe_experts=2, moe_router_topk=1, moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1.0)
+    layer = make_layer(cfg)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0], layer.router.weight[1, 1] = 2.0, -1.0
+        layer.router.expert_bias.copy_(torch.tensor([0.0, 1.0]))
+    x = torch.zeros(1, 2, cfg.hidden_size)
+    x[0, 0, 0], x[0, 0, 1], x[0, 1, 0] = 1.0, 1.0, 0.5  # logits (2, -1) and (1, 0)
+    _, indices, aux = layer.router(x)
+    assert indices.flatten().tolist() == [1, 1]
+    s = [torch.sigmoid(torch.tensor(v, dtype=torch.float64)) for v in ((2.0, -1.0), (1.0, 0.0))]
+    p0 = sum(float(v[0] / v.sum()) for v in s) / 2
+    assert float(aux) == pytest.approx(2 * p0, rel=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["swiglu", "gptoss_glu_bias", "squared_relu_shared", "shared_gate"])

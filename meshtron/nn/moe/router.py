@@ -20,9 +20,12 @@ choice, never p) and may be group-limited (DeepSeek): experts form G groups, a g
 of its best k / group_topk experts, and only the best group_topk groups are eligible.
 Balancing losses (switch-style, DeepSeek-V3 eq. 17-20) over T tokens and E experts, with s' the
 scores normalised over all experts (softmax, or sigmoid / its row sum):
-    aux_loss      coeff * E * sum_i f_i P_i,  f_i = (tokens choosing i) / (T k),  P_i = mean_t s'_ti
+    aux_loss      coeff * E * sum_i f_i P_i,  f_i = (tokens with i in top-k(s'_t)) / (T k),  P_i = mean_t s'_ti
     seq_aux_loss  the same within each sequence, averaged over the sequences of the batch
     z_loss        coeff * mean_t logsumexp(l_t)^2
+f_i counts the plain top-k of the unbiased scores, not the experts the token was sent to: the expert
+bias, group limits and router replay change the dispatch but not the loss (DeepSeek-V3 eq. 18;
+Megatron-LM's compute_routing_scores_for_aux_loss does the same).
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ def topk_indices(scores: torch.Tensor, k: int, num_groups: Optional[int] = None,
 def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int,
                         batch_size: int, per_sequence: bool) -> torch.Tensor:
     """E * sum_i f_i P_i (unweighted), over the whole batch or per sequence and averaged.
-    scores (tokens, experts) normalised over experts; indices (tokens, k) the chosen experts."""
+    scores (tokens, experts) normalised over experts; indices (tokens, k) the experts f_i counts (the
+    built-in router passes the plain top-k of `scores`)."""
     k = indices.shape[1]
     groups = batch_size if per_sequence else 1
     scores = scores.reshape(groups, -1, num_experts)                                # (groups, T_g, E)
@@ -203,7 +207,9 @@ class TopKRouter(nn.Module):
         aux = logits.new_zeros(())
         self.last_losses = {}
         if self.balancing != "none" and self.aux_coeff:
-            term = self.aux_coeff * load_balancing_loss(scores, indices, self.num_experts, batch_size,
+            # f_i from the plain top-k of the unbiased scores, whatever bias, groups or replay picked
+            counted = scores.detach().topk(self.topk, dim=-1).indices
+            term = self.aux_coeff * load_balancing_loss(scores, counted, self.num_experts, batch_size,
                                                         per_sequence=self.balancing == "seq_aux_loss")
             self.last_losses["aux_loss"] = term.detach()
             aux = aux + term
