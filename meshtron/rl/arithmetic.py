@@ -1,23 +1,23 @@
 """Multi-step arithmetic: evaluate an expression of several operations with the usual precedence.
 
-Prompt `"12+7*3-5="`, answer `"28"`. The reward is 1.0 when the completion (up to a newline,
-stripped) is exactly the integer value, else 0.0. Problems are generated from random integers in
+Prompt `"12+7*3-5="`, answer `"28"`. The reward is 1.0 when the completion's answer (the last
+`<answer>` pair, else the last non-empty line, as for Countdown) is the integer value written as an
+optional minus and decimal digits, else 0.0. Problems are generated from random integers in
 [0, max_number] and operators + - *.
 """
 
 from __future__ import annotations
 
 import random
+import re
 
+from meshtron.rl.countdown import completion_text
 from meshtron.rl.environments import GeneratedDataset, Problem
 
 
 def arithmetic_reward(answer: int, completion: str) -> float:
-    text = completion.split("\n", 1)[0].strip()
-    try:
-        return 1.0 if int(text) == answer else 0.0
-    except ValueError:
-        return 0.0
+    text = completion_text(completion)
+    return 1.0 if re.fullmatch(r"-?[0-9]+", text) and int(text) == answer else 0.0
 
 
 class Arithmetic:

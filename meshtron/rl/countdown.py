@@ -1,10 +1,18 @@
 """Countdown: given numbers and a target, write an arithmetic expression that uses every number
 exactly once and evaluates to the target.
 
-Prompt `"3 5 7 -> 22: "`, a good completion `"3*5+7"` (ended by the end-of-document token or a
-newline). The reward parses the completion with Python's `ast` (integers, + - * /, parentheses; no
-unary minus, no other syntax), evaluates it exactly with fractions, and gives
-    1.0            the numbers used are exactly the given ones and the value is the target
+Prompt `"3 5 7 -> 22: "`, a good completion `"3*5+7"` (ended by the end-of-document token). The
+reward judges the mathematics, not the typography:
+- the answer is the text inside the last `<answer>...</answer>` pair when the completion has one
+  (the convention of reasoning prompts), else the last non-empty line of the completion;
+- an expression is decimal integer literals, binary + - * /, unary minus and plus, parentheses and
+  blanks, read by the small parser below (not Python's: `//`, `**`, `1_0`, `0x1f`, `3.0`, `07` are
+  refused), evaluated exactly with fractions;
+- there is no length limit; pathological input is bounded instead: at most MAX_NODES numbers and
+  operators, MAX_DIGITS digits per number and MAX_DEPTH open parentheses, so the exact arithmetic
+  stays small and the work linear in the answer's length whatever the model wrote.
+The reward is
+    1.0            the numbers used are exactly the given ones (each once) and the value is the target
     format_reward  the numbers are right but the value is not
     0.0            wrong numbers (missing, extra, repeated) or anything that does not parse
 Problems are generated: random numbers, a random expression tree over them, the target its value
@@ -15,16 +23,19 @@ one of them.
 
 from __future__ import annotations
 
-import ast
 import random
+import re
 from fractions import Fraction
 from typing import Optional, Union
 
 from meshtron.rl.environments import GeneratedDataset, Problem
 
-MAX_COMPLETION_CHARS = 64
-_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+MAX_NODES = 256  # numbers plus operators (unary ones included) in one answer
+MAX_DIGITS = 30  # digits in one number
+MAX_DEPTH = 256  # parentheses open at once
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+_UNARY = {"u-", "u+"}  # unary minus and plus: they bind tighter than * and / (the value is the same either way)
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|(.))", re.DOTALL)
 
 Node = Union[int, tuple[str, "Node", "Node"]]
 
@@ -33,36 +44,83 @@ class MalformedExpression(ValueError):
     pass
 
 
+def _to_postfix(text: str) -> list[Union[int, str]]:
+    """Shunting-yard without recursion: integers and operators in evaluation order. Raises
+    MalformedExpression for any character, literal or arrangement that is not an expression."""
+    out: list[Union[int, str]] = []
+    stack: list[str] = []  # operators and "("
+    want_operand, num_nodes, depth = True, 0, 0
+    for m in _TOKEN.finditer(text.rstrip()):
+        digits, char = m.groups()
+        if digits is not None or char in "+-*/":
+            num_nodes += 1
+            if num_nodes > MAX_NODES:
+                raise MalformedExpression(f"more than {MAX_NODES} numbers and operators")
+        if digits is not None:
+            if not want_operand:
+                raise MalformedExpression(f"a number where an operator belongs: {digits}")
+            if len(digits) > MAX_DIGITS or (len(digits) > 1 and digits[0] == "0"):
+                raise MalformedExpression(f"not a number of the puzzle: {digits[:MAX_DIGITS]}")
+            out.append(int(digits))
+            want_operand = False
+        elif want_operand and char in "+-":
+            stack.append("u" + char)
+        elif want_operand and char == "(":
+            stack.append("(")
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise MalformedExpression(f"parentheses nested more than {MAX_DEPTH} deep")
+        elif not want_operand and char in _PRECEDENCE:
+            while stack and stack[-1] != "(" and (stack[-1] in _UNARY or _PRECEDENCE[stack[-1]] >= _PRECEDENCE[char]):
+                out.append(stack.pop())
+            stack.append(char)
+            want_operand = True
+        elif not want_operand and char == ")":
+            while stack and stack[-1] != "(":
+                out.append(stack.pop())
+            if not stack:
+                raise MalformedExpression("unbalanced ')'")
+            stack.pop()
+            depth -= 1
+        else:
+            raise MalformedExpression(f"unexpected {char!r}")
+    if want_operand:
+        raise MalformedExpression("the expression ends early" if out or stack else "empty")
+    while stack:
+        if stack[-1] == "(":
+            raise MalformedExpression("unbalanced '('")
+        out.append(stack.pop())
+    return out
+
+
 def parse_expression(text: str) -> tuple[Fraction, list[int]]:
     """-> (exact value, the integer literals in order); MalformedExpression for anything else."""
-    if len(text) > MAX_COMPLETION_CHARS:
-        raise MalformedExpression("too long")
-    try:
-        tree = ast.parse(text, mode="eval").body
-    except SyntaxError as e:
-        raise MalformedExpression(str(e)) from None
+    values: list[Fraction] = []
     numbers: list[int] = []
-
-    def value(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            numbers.append(node.value)
-            return Fraction(node.value)
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            a, b = value(node.left), value(node.right)
-            op = _OPS[type(node.op)]
-            if op == "/":
-                if b == 0:
-                    raise MalformedExpression("division by zero")
-                return a / b
-            return a + b if op == "+" else a - b if op == "-" else a * b
-        raise MalformedExpression(f"{type(node).__name__} is not allowed")
-
-    return value(tree), numbers
+    for item in _to_postfix(text):
+        if isinstance(item, int):
+            numbers.append(item)
+            values.append(Fraction(item))
+        elif item in _UNARY:
+            values[-1] = -values[-1] if item == "u-" else values[-1]
+        else:
+            b, a = values.pop(), values.pop()
+            if item == "/" and b == 0:
+                raise MalformedExpression("division by zero")
+            values.append(a + b if item == "+" else a - b if item == "-" else a * b if item == "*" else a / b)
+    assert len(values) == 1
+    return values[0], numbers
 
 
 def completion_text(completion: str) -> str:
-    """The part of a completion that is the answer: up to the first newline, stripped."""
-    return completion.split("\n", 1)[0].strip()
+    """The one answer of a completion: inside the last <answer>...</answer> pair if there is one, else
+    the last non-empty line; stripped."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start >= 0:
+        return completion[start + len("<answer>"):end].strip()
+    text = completion.strip()
+    return text.splitlines()[-1].strip() if text else ""
 
 
 def countdown_reward(numbers: tuple[int, ...], target: int, completion: str, format_reward: float = 0.0) -> float:

@@ -1,4 +1,4 @@
-"""Environments: the Countdown reward against hand-checked cases, generated problems whose
+"""Environments (the Countdown reward itself: test_countdown.py): generated problems whose
 demonstrations earn full reward, disjoint train/eval splits, arithmetic and math-verify rewards, and
 weighted mixing of environments."""
 
@@ -9,48 +9,8 @@ from collections import Counter
 import pytest
 
 from meshtron.rl.arithmetic import Arithmetic, arithmetic_reward
-from meshtron.rl.countdown import Countdown, countdown_reward, parse_expression, render
+from meshtron.rl.countdown import Countdown
 from meshtron.rl.environments import Environment, Problem, WeightedMultiTask
-
-CASES = [
-    # numbers, target, completion, reward  (format_reward 0.1)
-    ((3, 5, 7), 22, "3*5+7", 1.0),              # valid
-    ((3, 5, 7), 22, "7+5*3", 1.0),              # valid, numbers in another order
-    ((3, 5, 7), 22, " 3*5+7 \nmore text", 1.0),  # valid: the answer ends at the newline
-    ((4, 4, 2), 4, "(4+4)/2", 1.0),             # valid, a repeated number used twice, division
-    ((6, 3, 2), 1, "6/3/2", 1.0),               # left-associative division: (6/3)/2
-    ((3, 5, 7), 22, "3*5+8", 0.0),              # wrong number (8 not given)
-    ((3, 5, 7), 15, "3*5", 0.0),                # a number left unused
-    ((3, 5, 7), 22, "3*5+7+7", 0.0),            # a number used twice
-    ((4, 4, 2), 16, "4*4", 0.0),                # the repeated number but 2 unused
-    ((3, 5, 7), 23, "3*5+7", 0.1),              # right numbers, wrong value
-    ((3, 5, 7), 22, "3*(5+7)", 0.1),            # right numbers, wrong value (36)
-    ((3, 5, 7), 22, "3*5+", 0.0),               # malformed
-    ((3, 5, 7), 22, "", 0.0),                   # empty
-    ((3, 5, 7), 22, "-3+5*5", 0.0),             # unary minus is not allowed
-    ((3, 5, 7), 22, "3**5+7", 0.0),             # power is not allowed
-    ((3, 5, 7), 22, "__import__('os')", 0.0),   # no calls or names
-    ((3, 5, 7), 22, "3.0*5+7", 0.0),            # floats are not numbers of the puzzle
-    ((5, 0, 3), 3, "5/0+3", 0.0),               # division by zero
-    ((3, 5, 7), 22, "3*5+7" + " " * 80, 1.0),   # trailing blanks are stripped
-    ((3, 5, 7), 22, "(" * 70 + "3", 0.0),       # too long to be an answer
-]
-
-
-@pytest.mark.parametrize("numbers,target,completion,reward", CASES)
-def test_countdown_reward_table(numbers, target, completion, reward):
-    assert countdown_reward(numbers, target, completion, format_reward=0.1) == reward
-
-
-def test_parse_and_render_agree():
-    node = ("-", 9, ("-", 5, ("*", 2, 3)))
-    text = render(node)
-    assert text == "9-(5-2*3)"
-    value, used = parse_expression(text)
-    assert value == 10 and used == [9, 5, 2, 3]
-    # a*(b/c) needs no parentheses (same value); a/(b*c) does
-    assert render(("*", ("+", 1, 2), ("/", 8, ("*", 2, 2)))) == "(1+2)*8/(2*2)"
-    assert parse_expression("(1+2)*8/(2*2)")[0] == 6
 
 
 def test_countdown_problems_demonstrations_and_splits():
