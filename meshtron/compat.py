@@ -22,6 +22,15 @@ kernel that reads the offsets on the device; every other case ATen's fallback, w
 `sdpa_block_forward` / `sdpa_block_backward`: one attention block and its log-sum-exp through the fused
 SDPA kernels' private ops (`aten._scaled_dot_product_flash_attention_for_cpu[_backward]`, on CUDA
 `aten._scaled_dot_product_{flash,efficient}_attention[_backward]`), for ring attention.
+
+Smaller ones, each a single attribute: `flatten_mesh` (`DeviceMesh._flatten`: one axis over several,
+e.g. dp over dp_replicate x dp_shard), `nccl_options` (`ProcessGroupNCCL.Options._timeout`, the only way
+to give a sub-group's NCCL communicator its own timeout), `default_store` (the TCPStore of the default
+group, for heartbeats), `storage_key` (`UntypedStorage._cdata`, the storage's identity even for fake or
+meta tensors), `tensor_version` (`Tensor._version`, bumped by every in-place write), `in_autograd_backward`
+(`torch._C._current_graph_task_id`), `fake_tensor_mode`, `tree_map` and `TorchDispatchMode` (private
+modules of torch that have no public home yet). `tests/test_private_torch.py` fails when a private
+PyTorch name is used anywhere else in meshtron.
 """
 
 from __future__ import annotations
@@ -247,3 +256,60 @@ def _rng_placeholders(flash: bool, device: torch.device) -> tuple[torch.Tensor, 
         else:
             _RNG_PLACEHOLDERS[key] = tuple(aten._scaled_dot_product_efficient_attention(x, x, x, None, True)[2:4])
     return _RNG_PLACEHOLDERS[key]
+
+
+def flatten_mesh(mesh, name: str, backend_override=None):
+    """The 1-D mesh over all axes of `mesh` (a slice of the root mesh), registered under `name`."""
+    return mesh._flatten(name, backend_override=backend_override)
+
+
+def nccl_options(timeout):
+    """NCCL process-group options carrying `timeout` (a timedelta)."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return opts
+
+
+def default_store():
+    """The key-value store of the default process group (the TCPStore torchrun or init_process_group made)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of the StorageImpl behind `t` (equal for views of one allocation; defined for fake/meta tensors)."""
+    return t.untyped_storage()._cdata
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The counter every in-place write to `t`'s storage bumps (how autograd detects a changed saved tensor)."""
+    return t._version
+
+
+def in_autograd_backward() -> bool:
+    """True while the autograd engine runs a backward (including recomputation inside it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def fake_tensor_mode():
+    """A FakeTensorMode: tensors with shapes, dtypes and devices but no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def tree_map(fn: Callable, tree):
+    """`fn` applied to every leaf of nested lists/tuples/dicts, the structure kept."""
+    from torch.utils._pytree import tree_map as _tree_map
+
+    return _tree_map(fn, tree)
+
+
+def dispatch_mode_base() -> type:
+    """The TorchDispatchMode base class: a subclass sees every aten operator call while active."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.utils._pytree import tree_map
 
 from meshtron.checkpoint.dcp_safe import load_dcp, read_dcp_metadata, single_process_quiet
 from meshtron.checkpoint.layout import (
@@ -41,6 +40,7 @@ from meshtron.checkpoint.layout import (
 )
 from meshtron.checkpoint.state_io import STATE_JSON, STATE_TENSORS, read_trainer_state, write_trainer_state
 from meshtron.checkpoint.upgrade import LEGACY_STATE, read_legacy_state
+from meshtron.compat import tree_map
 
 TRAINER_STATE = STATE_JSON
 CONFIG = "config.yaml"

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshtron.compat import flatten_mesh, nccl_options
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import ParallelConfig
 
@@ -94,7 +95,7 @@ class ParallelDims:
         flat_opts = backend_options(device_type, timeout_s)
 
         def flatten(name: str, *names: str) -> DeviceMesh:
-            return mesh[names]._flatten(name, backend_override=flat_opts)
+            return flatten_mesh(mesh[names], name, backend_override=flat_opts)
 
         flat = {
             "dp": flatten("dp", "dp_replicate", *shard),
@@ -127,7 +128,5 @@ def backend_options(device_type: str, timeout_s: float):
     """(backend, options) with an explicit timeout: sub-groups ignore init_process_group's timeout."""
     timeout = timedelta(seconds=timeout_s)
     if device_type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return "nccl", opts
+        return "nccl", nccl_options(timeout)
     return "gloo", dist.ProcessGroupGloo.Options("gloo", timeout)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshtron.compat import fake_tensor_mode, storage_key
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import ModelConfig, RunConfig
 from meshtron.models.gpt import GPTModel
@@ -55,7 +56,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def _storage_key(t: torch.Tensor) -> int:
     # The StorageImpl address: several saved views of one tensor (and one tensor saved by several
     # ops) hold a single allocation. Meta and fake tensors have no data pointer, but do have this.
-    return local_tensor(t).untyped_storage()._cdata
+    return storage_key(local_tensor(t))
 
 
 class SavedTensorCounter:
@@ -400,9 +401,7 @@ def fake_tensors(precision: str) -> Iterator[None]:
     """Fake CPU tensors: meta storage (no allocation) that dispatch like real ones. Plain meta
     tensors would send attention to the math kernel, which saves the full score matrix; training
     runs a fused kernel that saves q, k, v, the output and the log-sum-exp."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # private; only the planner uses it
-
-    with FakeTensorMode(), torch.device("cpu"):
+    with fake_tensor_mode(), torch.device("cpu"):
         if precision == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 yield

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from meshtron.compat import default_store
 from meshtron.parallel.distributed import group_device
 
 ABORT_KEY = "meshtron/abort"
@@ -114,7 +115,7 @@ class Watchdog:
         self.grace_s = min(timeout_s / 2, 5.0)
         self.stack_dir = Path(run_dir) / "stacks"
         self.stack_dir.mkdir(parents=True, exist_ok=True)
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = default_store()
         self._stack_file = open(self.stack_dir / f"rank{self.rank}.txt", "w")
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         faulthandler.register(signal.SIGTERM, file=self._stack_file, all_threads=True, chain=True)

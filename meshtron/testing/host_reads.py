@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshtron
+from meshtron.compat import dispatch_mode_base
 
 READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 VALUE_SHAPED_OPS = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
@@ -48,7 +48,7 @@ def _reads_values(func, args, kwargs) -> bool:
     return name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
 
 
-class _ValueShapedOps(TorchDispatchMode):
+class _ValueShapedOps(dispatch_mode_base()):
     def __init__(self, log: list[str], inside: list[int], only_meshtron: bool):
         super().__init__()
         self.log, self.inside, self.only_meshtron = log, inside, only_meshtron

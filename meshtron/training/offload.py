@@ -30,6 +30,8 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from meshtron.compat import tensor_version
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly DTensor) parameter or gradient, as a view."""
@@ -64,11 +66,11 @@ class _HostParam:
     def copy_is_current(self) -> bool:
         """True if grad_buffer holds (or is queued to receive) the parameter's gradient as it is now."""
         grad = self.param.grad
-        return self.copied is not None and grad is self.copied[0] and local(grad)._version == self.copied[1]
+        return self.copied is not None and grad is self.copied[0] and tensor_version(local(grad)) == self.copied[1]
 
     def _fingerprint(self) -> tuple[int, int]:
         data = local(self.param)
-        return data.data_ptr(), data._version
+        return data.data_ptr(), tensor_version(data)
 
     def refresh_if_changed(self) -> None:
         if self._fingerprint() != self.seen:
@@ -175,7 +177,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.cuda.stream(self._stream):
                 h.grad_buffer.copy_(grad, non_blocking=True)
             grad.record_stream(self._stream)
-        h.copied = (param.grad, grad._version)
+        h.copied = (param.grad, tensor_version(grad))
 
     def _gradients_to_host(self, chunk: list[_HostParam], non_blocking: bool) -> None:
         for h in chunk:

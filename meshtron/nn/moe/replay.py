@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from meshtron.compat import in_autograd_backward
+
 
 class ReplayMode(Enum):
     RECORD = "record"
@@ -39,7 +41,7 @@ class ReplayMode(Enum):
 
 def _in_backward() -> bool:
     """True while the autograd engine runs (e.g. activation checkpointing recomputes a forward)."""
-    return torch._C._current_graph_task_id() != -1
+    return in_autograd_backward()
 
 
 class RouterReplay:
