@@ -28,8 +28,9 @@ def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    drop_sorted = rank >= top_k[:, None]
+    # top-k keeps every token tied with the k-th largest logit, as transformers' and vLLM's top-k do
+    kth = sorted_logits.gather(-1, (top_k - 1)[:, None])
+    drop_sorted = sorted_logits < kth
     probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)  # what top-k kept, renormalised
     # top-p: drop a token when the tokens ranked above it already hold top_p of the mass
     drop_sorted |= (probs.cumsum(-1) - probs > top_p[:, None]) & (top_p < 1)[:, None]
