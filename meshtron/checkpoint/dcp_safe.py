@@ -51,13 +51,14 @@ _ADMITTED = {
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only the admitted classes; any other global (os.system, builtins.eval, ...) is refused."""
 
-    def __init__(self, data: bytes, path: Path):
+    def __init__(self, data: bytes, path: Path, admit: frozenset[tuple[str, str]] = frozenset()):
         super().__init__(io.BytesIO(data))
         self.path = path
+        self.admit = admit
 
     def find_class(self, module: str, name: str) -> Any:
         # dtypes by their attribute of torch, looked up in its namespace (never torch's lazy __getattr__)
-        if (module, name) in _ADMITTED or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
+        if (module, name) in _ADMITTED or (module, name) in self.admit or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)
         raise CheckpointError(f"{str(self.path)!r} refers to {module}.{name}, which DCP metadata never holds; "
                               "refusing to load it (the file was not written by DCP, or was tampered with)")
@@ -70,12 +71,16 @@ def _malformed(path: Path, why: str) -> CheckpointError:
     return CheckpointError(f"{str(path)!r} is not usable DCP metadata: {why}")
 
 
-def read_dcp_metadata(step_dir: Path, manifest: dict[str, Any]) -> Metadata:
-    """`step_dir/.metadata` read without running code, its types and file references checked."""
+def read_dcp_metadata(step_dir: Path, manifest: dict[str, Any],
+                      admit: frozenset[tuple[str, str]] = frozenset()) -> Metadata:
+    """`step_dir/.metadata` read without running code, its types and file references checked.
+
+    admit: further (module, class) pairs a caller knows its writer adds (plain dataclasses only).
+    """
     require_listed(step_dir, manifest, DCP_METADATA)
     path = step_dir / DCP_METADATA
     try:
-        metadata = _MetadataUnpickler(path.read_bytes(), path).load()
+        metadata = _MetadataUnpickler(path.read_bytes(), path, admit).load()
     except CheckpointError:
         raise
     except Exception as e:  # truncated or garbled pickle data, or an admitted class given bad arguments

@@ -1,0 +1,129 @@
+"""megatron-core 0.19.2 on a CPU-only torch, for tests only (meshtron never imports megatron).
+
+Workarounds for the CUDA-only paths (issue 19), all scoped to `cpu_megatron()`:
+- a one-rank gloo group for parallel_state, and `model_parallel_cuda_manual_seed(seed,
+  inference_rng_tracker=True)` (the default tracker forks CUDA RNG states);
+- `torch.cuda.current_device` answers "cpu": RotaryEmbedding.get_emb moves inv_freq there,
+  GlobalMemoryBuffer.get_tensor allocates there, and saving builds its failure flag there;
+- `torch.cuda.synchronize` does nothing (saving calls it);
+- forward is given an explicit causal mask (attention_mask=None builds one on CUDA).
+Saving starts a multiprocessing manager with the spawn method, so scripts that save need a
+`__main__` guard (pytest has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|deprecated|DEPRECATED).*")
+
+
+@contextmanager
+def cpu_megatron(seed: int = 1234):
+    """parallel_state initialised on a one-rank gloo group, with the CUDA calls patched (see above)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        store = Path(tempfile.mkdtemp(prefix="megatron-store-")) / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=120))
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+            mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            if owns_group:
+                dist.destroy_process_group()
+
+
+def transformer_config(layers=2, hidden=64, heads=4, groups=2, ffn=96, eps=1e-5):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                             num_query_groups=groups, ffn_hidden_size=ffn, normalization="RMSNorm",
+                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                             layernorm_epsilon=eps, use_cpu_initialization=True, params_dtype=torch.float32,
+                             hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def build_gpt(tied: bool, vocab=128, max_len=64, rotary_base=10000, **shape):
+    """A megatron GPTModel with the local layer spec: RMSNorm, SwiGLU, GQA, RoPE (call inside cpu_megatron)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    cfg = transformer_config(**shape)
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=vocab,
+                    max_sequence_length=max_len, position_embedding_type="rope", rotary_base=rotary_base,
+                    share_embeddings_and_output_weights=tied)
+
+
+def megatron_args(model, tied: bool, rotary_base=10000, max_len=64) -> argparse.Namespace:
+    """The `args` Megatron-LM would save for this model (TransformerConfig names, its argument defaults),
+    with one of Megatron's enums and a dtype in it as real runs have."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    c = model.config
+    return argparse.Namespace(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
+        kv_channels=c.kv_channels, ffn_hidden_size=c.ffn_hidden_size, padded_vocab_size=model.vocab_size,
+        make_vocab_size_divisible_by=128, max_position_embeddings=max_len, position_embedding_type="rope",
+        rotary_base=rotary_base, rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False,
+        normalization="RMSNorm", layernorm_epsilon=c.layernorm_epsilon, swiglu=True, squared_relu=False,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, untie_embeddings_and_output_weights=not tied,
+        attention_dropout=0.0, hidden_dropout=0.0, init_method_std=0.02, num_experts=None,
+        multi_latent_attention=False, mtp_num_layers=None, ckpt_format="torch_dist", transformer_impl="local",
+        attention_backend=AttnBackend.auto, params_dtype=torch.float32, seq_length=max_len)
+
+
+def save_megatron(model, save_dir: Path, args, iteration: int = 7) -> Path:
+    """What Megatron-LM's save_checkpoint writes for torch_dist: SAVE/iter_XXXXXXX + the tracker file."""
+    from megatron.core import dist_checkpointing
+
+    step = save_dir / f"iter_{iteration:07d}"
+    step.mkdir(parents=True)
+    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    dist_checkpointing.save(state, str(step))
+    (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return step
+
+
+def load_megatron(model, step_dir: Path) -> dict:
+    """dist_checkpointing.load into `model` (strict); returns the common state it read."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(step_dir))
+    model.load_state_dict(loaded.pop("model"), strict=True)
+    return loaded
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """(batch, seq, vocab) logits of megatron's forward, with an explicit causal mask."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked out
+    model.eval()
+    with torch.no_grad():
+        return model(tokens, positions, mask)
+
+
+def state_tensors(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)
+            and "_extra_state" not in k}
+
+
