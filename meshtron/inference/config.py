@@ -43,12 +43,14 @@ class EngineConfig:
     cuda_graph_key_sizes: tuple[int, ...] = option((256, 1024, 4096, 16384, 65536),
                                                    "CUDA graphs: buckets of the keys (tokens) a row reads; sizes "
                                                    "below max_model_len, plus max_model_len")
-    decode_attention: str = option("auto", "Decode attention of the varlen layout: auto (the fastest available: "
+    decode_attention: str = option("auto", "Attention of the varlen layout: auto (the fastest available: "
                                            "native on a CPU when the C kernel builds and the weights are float32, "
-                                           "else gather; gather on CUDA), gather (gather the blocks + SDPA), "
-                                           "compiled (one torch.compile kernel; ~15 s to compile on a CPU) or "
+                                           "else gather; flex on CUDA), gather (gather the blocks + SDPA), "
+                                           "compiled (one torch.compile kernel; ~15 s to compile on a CPU), "
                                            "native (the C kernel: CPU, float32, built on first use with the "
-                                           "system C compiler and cached)")
+                                           "system C compiler and cached) or flex (decodes and prefill chunks in "
+                                           "one FlexAttention call per layer reading the cache through the block "
+                                           "tables; compiled on CUDA, an eager reference on a CPU: tests only)")
     layout: str = option("varlen", "Batch layout: varlen (one packed row; attention per decode bucket and per "
                                    "prefill chunk), auto (cheapest by estimate: packed or rows of S tokens), "
                                    "packed (one row, one attention) or padded (one row per request)")
@@ -59,7 +61,7 @@ class EngineConfig:
 
     LAYOUTS = ("varlen", "auto", "packed", "padded")
     DTYPES = ("auto", "float32", "bfloat16", "float16")
-    DECODE_ATTENTIONS = ("auto", "gather", "compiled", "native")
+    DECODE_ATTENTIONS = ("auto", "gather", "compiled", "native", "flex")
 
     def __post_init__(self, compile_decode_attention: Optional[bool], native_decode_attention: Optional[bool]) -> None:
         for name, value in (("compile_decode_attention", compile_decode_attention),

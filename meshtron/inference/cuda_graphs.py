@@ -21,6 +21,10 @@ memory pool, after an eager warm-up forward on a side stream (which also allocat
 Suspend drops them (the cache tensors they point at are freed); the first step after a resume
 captures them all again. A model whose forward syncs with the host cannot be captured: the engine
 refuses it at start-up with one line (a MoE model says so).
+
+Graphs replay these layouts whatever `engine.decode_attention` is: its choice (flex, the CUDA
+default, included) serves the eager varlen steps, those no bucket holds. FlexAttention is not
+captured: its BlockMask's block lists change size every step, which a fixed-shape replay cannot hold.
 """
 
 from __future__ import annotations

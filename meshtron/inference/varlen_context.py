@@ -13,6 +13,9 @@ decodes form one bucket, which calls that function on the cache tensors and bloc
 gathering (see `fused_attention`, `native_attention`): the compiled kernel's padded key blocks all
 read the one scratch block, which stays in the CPU cache, the native kernel skips them, and one call
 per layer costs less than several (measured ~10% faster end to end than buckets at BUCKET_RATIO).
+With `flex` (engine.decode_attention flex, the CUDA default) there are no groups: every token of the
+step, decodes and prefill chunks alike, goes through one FlexAttention call per layer that reads the
+cache through the block tables (`flex_paged_attention`), sinks included.
 `update_kv` writes the new keys/values into their slots and hands back the layer's cache tensors,
 which `attend` reads through the groups' block tables. Groups, block indices and masks are built
 once per step and shared by every layer; masks are cached per window size. Mamba layers get their
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meshtron.inference.flex_paged_attention import FlexPagedAttention, FlexPagedPlan, PagedSequence
 from meshtron.inference.mamba_state import MambaStateCache, MambaStepGroups
 from meshtron.inference.paged_context import PagedBatch, PagedKVCache
 from meshtron.inference.scheduler import ScheduledChunk
@@ -93,6 +97,8 @@ class VarlenPagedContext:
     # (q, k_cache, v_cache, group, window_size, scale) -> out for decode buckets (fused_attention,
     # native_attention); None: gather + SDPA
     decode_attention: Optional[Callable[..., torch.Tensor]] = None
+    # engine.decode_attention flex: the step's plan and the function every layer calls with it (no groups)
+    flex: Optional[tuple[FlexPagedAttention, FlexPagedPlan]] = None
 
     def mamba_states(self, layer_id: int) -> Optional[list[RecurrentState]]:
         return self.mamba.states(layer_id) if self.mamba is not None else None
@@ -109,6 +115,9 @@ class VarlenPagedContext:
                window_size: Optional[int] = None, sink_logits: Optional[torch.Tensor] = None,
                dropout: float = 0.0) -> torch.Tensor:
         """q (1, heads, T, dk) -> (1, heads, T, dv), each group attending to its own keys."""
+        if self.flex is not None:
+            attention, plan = self.flex
+            return attention(q, k_cache, v_cache, plan, window_size, scale, sink_logits)
         heads, bs = q.shape[1], self.cache.block_size
         out = q.new_empty(1, heads, q.shape[2], v_cache.shape[-1])
         for g in self.groups:
@@ -153,9 +162,10 @@ def _decode_buckets(lengths: list[int], ratio: float = BUCKET_RATIO) -> list[lis
 def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
                        states: Optional[MambaStateCache] = None,
                        decode_attention: Optional[Callable[..., torch.Tensor]] = None) -> PagedBatch:
-    """One packed row of every chunk's tokens, with decode buckets and per-chunk prefill groups
-    (and, with `states`, the Mamba state groups)."""
+    """One packed row of every chunk's tokens, with decode buckets and per-chunk prefill groups, or with
+    a `FlexPagedAttention` its plan instead (and, with `states`, the Mamba state groups)."""
     bs, device = cache.block_size, cache.device
+    flex = isinstance(decode_attention, FlexPagedAttention)
     tokens, positions, slots, sample_index, sample_req_ids = [], [], [], [], []
     starts, decodes, groups = [], [], []
     at = 0
@@ -170,9 +180,9 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
             sample_index.append(at + n - 1)
             sample_req_ids.append(c.req_id)
         starts.append(at)
-        if n == 1:
+        if n == 1 and not flex:
             decodes.append(len(starts) - 1)
-        else:
+        elif not flex:  # flex has no groups: its plan below covers every chunk
             blocks = table[: -(-(c.start_pos + n) // bs)]
             groups.append(AttentionGroup(
                 query_index=torch.arange(at, at + n, device=device),
@@ -197,7 +207,10 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
 
     mamba = MambaStepGroups.build(chunks, starts, states) if states is not None else None
     ctx = VarlenPagedContext(positions=t(positions)[None], write_slots=t(slots), groups=groups, cache=cache,
-                             mamba=mamba, decode_attention=decode_attention)
+                             mamba=mamba, decode_attention=None if flex else decode_attention)
+    if flex:
+        sequences = [PagedSequence(c.block_ids, c.start_pos, len(c.token_ids)) for c in chunks]
+        ctx.flex = (decode_attention, decode_attention.plan(sequences, bs, cache.num_blocks + 1, device))
     token_index = [np.arange(at, at + len(c.token_ids)) for at, c in zip(starts, chunks)]
     return PagedBatch(t(tokens)[None], ctx, torch.tensor(sample_index, dtype=torch.long, device=device),
                       sample_req_ids, token_index)

@@ -59,15 +59,14 @@ def test_auto_keeps_gather_where_the_kernel_does_not_apply(fresh_notices, caplog
     model = tiny_model()
     bf16 = engine(tiny_model().to(torch.bfloat16), num_blocks=64)
     assert bf16.runner.decode_attention is None
-    cuda = selection.select_decode_attention(model, EngineConfig(), torch.device("cuda"))  # decided before any op
-    assert cuda == ("gather", None)
+    cuda_choice, cuda = selection.select_decode_attention(model, EngineConfig(), torch.device("cuda"))  # no op yet
+    assert cuda_choice == "flex" and cuda.compiled  # the paged FlexAttention kernel, not the native one
     assert engine(model, num_blocks=64, layout="packed").runner.decode_attention is None  # no decode buckets
     messages = {r.getMessage(): r.levelno for r in caplog.records}
     assert messages == {
         "engine.decode_attention auto: gather + SDPA, because the native kernel needs float32 weights (the model "
         "is bfloat16)": logging.WARNING,
-        "engine.decode_attention auto: gather + SDPA, because the native kernel runs on the CPU only (the engine is "
-        "on cuda)": logging.INFO}
+        "engine.decode_attention auto: flex (compiled FlexAttention reading the paged cache)": logging.INFO}
 
 
 def test_forced_choices():
