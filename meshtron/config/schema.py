@@ -201,6 +201,12 @@ class DataConfig:
     sft_pack: bool = option(True, "SFT: pack whole conversations best-fit into each sample (false: one per sample, padded)")
     chat_template: Optional[str] = option(None, "SFT: a Jinja chat template file; null uses the tokenizer's own "
                                                 "(tokenizer_config.json or chat_template.jinja), else ChatML")
+    sample_order: Literal["megatron", "meshtron"] = option(
+        "megatron", "megatron: the document/sample/shuffle indices megatron-core's GPTDataset builds (same seed, "
+                    "split and seq_length give Megatron-LM's samples); meshtron: meshtron's earlier order")
+    add_extra_token_to_sequence: bool = option(
+        True, "Samples hold seq_length + 1 tokens so inputs and labels both have seq_length (Megatron's default); "
+              "false: seq_length tokens, the last label masked")
 
     def split_weights(self) -> list[float]:
         try:

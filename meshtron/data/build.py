@@ -39,7 +39,7 @@ def open_indexed(prefix: str, tokenizer: Tokenizer, limit: tuple[int, str] | Non
         ds = IndexedDataset(prefix)
     except IndexedDatasetError as e:
         raise ConfigError(f"data.paths: {e}") from None
-    if ds.vocab_size != tokenizer.vocab_size:
+    if ds.vocab_size is not None and ds.vocab_size != tokenizer.vocab_size:
         raise ConfigError(f"data.paths: {prefix} was preprocessed with a tokenizer of vocab_size {ds.vocab_size}, "
                           f"but the tokenizer section gives {tokenizer.vocab_size}; preprocess again or fix tokenizer")
     num_ids, source = limit or (tokenizer.vocab_size, "the tokenizer's vocab_size")
@@ -47,7 +47,14 @@ def open_indexed(prefix: str, tokenizer: Tokenizer, limit: tuple[int, str] | Non
         raise ConfigError(f"data.paths: {prefix} holds token ids up to {ds.max_token_id} but {source} is {num_ids}; "
                           f"make it at least {ds.max_token_id + 1} (model.vocab_size: null takes the tokenizer's), "
                           "or preprocess with the model's tokenizer")
-    if ds.max_token_id is None and ds.vocab_size > num_ids:
+    if ds.max_token_id is None and ds.vocab_size is None and ds.id_limit > num_ids:
+        # A Megatron prefix without meshtron's sidecar records neither; reads refuse bad ids.
+        warnings.warn(f"data.paths: {prefix} (Megatron's format, no {prefix}.meshtron.json sidecar) records no "
+                      f"vocabulary size or maximum token id; an id >= {num_ids} ({source}) stops training when read. "
+                      f"Check it with `meshtron data info {prefix} --verify --vocab-size {num_ids}`; `meshtron data "
+                      f"convert --input {prefix} --output NEW --format megatron --vocab-size {num_ids}` writes a copy "
+                      "with a sidecar", stacklevel=2)
+    elif ds.max_token_id is None and ds.vocab_size is not None and ds.vocab_size > num_ids:
         # Written before the maximum was recorded: the writer only bounds ids by vocab_size, which is
         # too large here. A full scan could take minutes on every rank, so warn; reads refuse bad ids.
         warnings.warn(f"data.paths: {prefix} has no recorded maximum token id and its vocab_size {ds.vocab_size} "
@@ -85,7 +92,8 @@ def _build_one(indexed: IndexedDataset, doc_range: tuple[int, int], name: str, n
                              cache_dir=data.cache_dir, name=name, transform=transform, seed=data.seed)
     ds = GPTDataset(indexed, doc_range, seq_length=data.seq_length, seed=data.seed, eod_id=tokenizer.eod_id,
                     pad_id=tokenizer.pad_id, num_samples=num_samples, cache_dir=data.cache_dir, name=name,
-                    reset_attention_mask=data.reset_attention_mask, reset_position_ids=data.reset_position_ids)
+                    reset_attention_mask=data.reset_attention_mask, reset_position_ids=data.reset_position_ids,
+                    sample_order=data.sample_order, add_extra_token=data.add_extra_token_to_sequence)
     return GPTFIMDataset(ds, spec, data.seed) if spec else ds
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 
 from meshtron.config.schema import TokenizerConfig
+from meshtron.data.indexed import DEFAULT_FORMAT, FORMATS
 
 
 def _user_errors(handler):
@@ -75,19 +76,31 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         inputs=args.input, output_prefix=args.output_prefix, tokenizer=_tokenizer_config(args),
         json_key=args.json_key, text_unit=args.text_unit, append_eod=args.append_eod, num_workers=args.workers,
         shard_bytes=int(args.shard_size_mb * (1 << 20)) if args.shard_size_mb else None,
-        keep_shards=args.keep_shards, progress=not args.no_progress,
+        keep_shards=args.keep_shards, progress=not args.no_progress, format=args.format,
     )
-    ds = preprocess(opts)
-    print(f"wrote {args.output_prefix}.bin/.idx: {ds.num_docs} documents, {ds.num_tokens} tokens ({ds.dtype})")
+    from meshtron.data.convert import describe
+
+    print(f"wrote {describe(preprocess(opts))}")
     return 0
 
 
 @_user_errors
 def cmd_data_merge(args: argparse.Namespace) -> int:
+    from meshtron.data.convert import describe
     from meshtron.data.indexed import merge_datasets
 
-    ds = merge_datasets(args.input, args.output_prefix, verify=not args.no_verify)
-    print(f"wrote {args.output_prefix}.bin/.idx: {ds.num_docs} documents, {ds.num_tokens} tokens ({ds.dtype})")
+    ds = merge_datasets(args.input, args.output_prefix, verify=not args.no_verify, format=args.format)
+    print(f"wrote {describe(ds)}")
+    return 0
+
+
+@_user_errors
+def cmd_data_convert(args: argparse.Namespace) -> int:
+    from meshtron.data.convert import convert_dataset, describe
+
+    vocab_size = _info_vocab_size(args)
+    ds = convert_dataset(args.input, args.output, args.format, vocab_size=vocab_size)
+    print(f"wrote {describe(ds)}")
     return 0
 
 
@@ -124,9 +137,13 @@ def cmd_data_info(args: argparse.Namespace) -> int:
         sizes = ds.sizes
         longest = int(sizes.max()) if len(sizes) else 0
         max_text = max_id if max_id is not None else "none (no tokens)" if ds.num_tokens == 0 else "not recorded"
-        checks = (", checksum ok" if scanned else "") + (f", all ids < {vocab_size}" if vocab_size is not None else "")
-        print(f"{prefix}: {ds.num_docs} documents, {ds.num_tokens} tokens, dtype {ds.dtype}, "
-              f"vocab_size {ds.vocab_size}, longest document {longest}, max token id {max_text}" + checks)
+        checksum = "" if not scanned else ", checksum ok" if ds.crc is not None else ", no checksum recorded"
+        checks = checksum + (f", all ids < {vocab_size}" if vocab_size is not None else "")
+        vocab = ds.vocab_size if ds.vocab_size is not None else "not recorded"
+        fmt = ds.format if ds.format == "meshtron" else "megatron, " + ("with sidecar" if ds.has_sidecar else "no sidecar")
+        groups = f" in {len(ds.document_indices) - 1} Megatron documents" if ds.grouped else ""
+        print(f"{prefix}: {ds.num_docs} documents{groups}, {ds.num_tokens} tokens, format {fmt}, dtype {ds.dtype}, "
+              f"vocab_size {vocab}, longest document {longest}, max token id {max_text}" + checks)
     return 0
 
 
@@ -173,6 +190,9 @@ def register(subparsers) -> None:
     pre.add_argument("--shard-size-mb", type=float, default=None, help="input bytes per shard (default: sized to the input)")
     pre.add_argument("--keep-shards", action="store_true", help="keep PREFIX.shards/ after merging")
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pre.add_argument("--format", choices=FORMATS, default=DEFAULT_FORMAT,
+                     help=f"on-disk format: megatron (Megatron-LM's MMIDIDX .bin/.idx plus a PREFIX.meshtron.json "
+                          f"sidecar) or meshtron (default: {DEFAULT_FORMAT})")
     pre.set_defaults(func=cmd_preprocess)
 
     data = subparsers.add_parser("data", help="indexed dataset tools")
@@ -181,7 +201,19 @@ def register(subparsers) -> None:
     merge.add_argument("--input", nargs="+", required=True, metavar="PREFIX", help="prefixes to join, in order")
     merge.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     merge.add_argument("--no-verify", action="store_true", help="skip the checksum check of the inputs")
+    merge.add_argument("--format", choices=FORMATS, default=None,
+                       help="format of the output (default: the first input's)")
     merge.set_defaults(func=cmd_data_merge)
+    conv = data_sub.add_parser("convert", help="rewrite a dataset in Megatron's or meshtron's format (streaming)")
+    conv.add_argument("--input", required=True, metavar="PREFIX", help="the dataset to read (either format)")
+    conv.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    conv.add_argument("--format", choices=FORMATS, required=True, help="format to write: megatron or meshtron")
+    conv.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                      help="vocabulary size to record, for a Megatron input without a sidecar")
+    conv.add_argument("--tokenizer", metavar="SPEC", help="like --vocab-size, with this tokenizer's vocabulary size")
+    conv.add_argument("--tokenizer-type", choices=("byte", "hf", "sentencepiece", "tiktoken"),
+                      help="tokenizer kind when it cannot be told from --tokenizer")
+    conv.set_defaults(func=cmd_data_convert)
     info = data_sub.add_parser("info", help="print the size of indexed datasets (and check them)")
     info.add_argument("prefix", nargs="+", help="dataset prefixes")
     info.add_argument("--verify", action="store_true",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # Our own outputs, which may sit inside an input directory, are never read as text.
-OUTPUT_SUFFIXES = (".bin", ".idx", ".partial", ".npy")
+OUTPUT_SUFFIXES = (".bin", ".idx", ".partial", ".npy", ".meshtron.json")   # .meshtron.json: sidecars
 DEFAULT_SHARD_BYTES = 16 << 20
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from meshtron.config.schema import TokenizerConfig
 from meshtron.data.documents import DEFAULT_SHARD_BYTES, Shard, iter_shard_documents, list_input_files, plan_shards
-from meshtron.data.indexed import IndexedDataset, IndexedDatasetWriter, merge_datasets
+from meshtron.data.indexed import DEFAULT_FORMAT, IndexedDataset, IndexedDatasetWriter, check_format, merge_datasets
 from meshtron.data.tokenizer import build_tokenizer
 
 MAX_BATCH_DOCS = 512
@@ -44,6 +44,7 @@ class PreprocessOptions:
     shard_bytes: int | None = None   # None: sized from the input so every worker gets several shards
     keep_shards: bool = False
     progress: bool = True
+    format: str = DEFAULT_FORMAT     # megatron | meshtron: the on-disk format of PREFIX.bin/.idx
 
 
 def _manifest(opts: PreprocessOptions, shard_bytes: int) -> dict:
@@ -95,10 +96,11 @@ def _flatten(ids: list[list[int]], eod: int | None) -> tuple[np.ndarray, np.ndar
     return flat, sizes
 
 
-def process_shard(index: int, shard: Shard, out_prefix: str, json_key: str, append_eod: bool) -> tuple[int, int, int]:
+def process_shard(index: int, shard: Shard, out_prefix: str, json_key: str, append_eod: bool,
+                  format: str = DEFAULT_FORMAT) -> tuple[int, int, int]:
     """Tokenize one shard into out_prefix.bin/.idx; returns (index, num_docs, num_tokens)."""
     tok = _WORKER["tokenizer"]
-    writer = IndexedDatasetWriter(out_prefix, tok.vocab_size)
+    writer = IndexedDatasetWriter(out_prefix, tok.vocab_size, format)
     eod = tok.eod_id if append_eod else None
     num_docs, batch, num_chars = 0, [], 0
 
@@ -139,6 +141,7 @@ def preprocess(opts: PreprocessOptions, *, max_shards: int | None = None) -> Ind
     None without merging (what an interrupted run leaves behind)."""
     if opts.num_workers < 1:
         raise ValueError(f"--workers: {opts.num_workers} is not allowed; must be >= 1")
+    check_format(opts.format)
     build_tokenizer(opts.tokenizer)  # fail here, once, with the config error rather than in every worker
     work_dir, shard_bytes = _open_work_dir(opts)
     shards = plan_shards(opts.inputs, text_unit=opts.text_unit, shard_bytes=shard_bytes)
@@ -146,7 +149,7 @@ def preprocess(opts: PreprocessOptions, *, max_shards: int | None = None) -> Ind
     todo = [k for k in range(len(shards)) if not Path(prefixes[k] + ".idx").is_file()]
     stopped_early = max_shards is not None and len(todo) > max_shards
     todo = todo[:max_shards] if max_shards is not None else todo
-    jobs = [(k, shards[k], prefixes[k], opts.json_key, opts.append_eod) for k in todo]
+    jobs = [(k, shards[k], prefixes[k], opts.json_key, opts.append_eod, opts.format) for k in todo]
     with _progress_bar(sum(s.num_bytes for s in shards), opts.progress) as bar:
         pending = set(todo)
         bar.update(sum(shards[k].num_bytes for k in range(len(shards)) if k not in pending))
@@ -154,7 +157,7 @@ def preprocess(opts: PreprocessOptions, *, max_shards: int | None = None) -> Ind
             bar.update(shards[k].num_bytes)
     if stopped_early:
         return None
-    dataset = merge_datasets(prefixes, opts.output_prefix, verify=False)
+    dataset = merge_datasets(prefixes, opts.output_prefix, verify=False, format=opts.format)
     if not opts.keep_shards:
         shutil.rmtree(work_dir)
     return dataset

@@ -31,8 +31,9 @@ def small_documents(count: int = 40) -> list[str]:
     return docs
 
 
-def write_indexed(prefix, docs: list[list[int]], vocab_size: int = 1000) -> IndexedDataset:
-    writer = IndexedDatasetWriter(prefix, vocab_size)
+def write_indexed(prefix, docs: list[list[int]], vocab_size: int = 1000, format: str = "meshtron") -> IndexedDataset:
+    """meshtron's format by default: the corruption helpers below rewrite its headers."""
+    writer = IndexedDatasetWriter(prefix, vocab_size, format)
     for d in docs:
         writer.add_document(np.asarray(d, dtype=np.int64))
     writer.finalize()
@@ -63,8 +64,6 @@ def rewrite_idx(prefix, *, sizes=None, offsets=None, max_id_field=None) -> None:
 
 def set_token(prefix, position: int, value: int, dtype=np.uint16) -> None:
     """Overwrite token `position` of PREFIX.bin (a same-size corruption the header cannot see)."""
-    from meshtron.data.indexed import BIN_HEADER
-
     with open(f"{prefix}.bin", "r+b") as f:
-        f.seek(BIN_HEADER.size + position * np.dtype(dtype).itemsize)
+        f.seek(IndexedDataset(prefix).data_offset + position * np.dtype(dtype).itemsize)
         f.write(np.asarray([value], dtype=dtype).tobytes())

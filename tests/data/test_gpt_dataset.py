@@ -59,7 +59,8 @@ def stream_of(ds, doc_idx):
 def test_one_epoch_matches_reference(tmp_path, seq_length):
     rng = np.random.default_rng(seq_length)
     indexed = write_indexed(tmp_path / "d", random_docs(rng, 30, 25))   # with empty documents
-    ds = GPTDataset(indexed, (3, 27), seq_length=seq_length, seed=5, eod_id=999, cache_dir=str(tmp_path / "c"))
+    ds = GPTDataset(indexed, (3, 27), seq_length=seq_length, seed=5, eod_id=999, cache_dir=str(tmp_path / "c"),
+                    sample_order="meshtron")
     ref_doc_idx, ref_rng = reference_doc_idx((3, 27), 1, 5, False)
     assert ds.doc_idx.tolist() == ref_doc_idx
     assert [tuple(r) for r in ds.sample_idx.tolist()] == reference_sample_idx(indexed.sizes, ref_doc_idx, seq_length)
@@ -105,7 +106,7 @@ def test_epochs_and_separate_last_epoch(tmp_path, last_epoch_fraction, separate)
     # Two full epochs and a fraction of a third.
     num_samples = (2 * tokens - 1) // seq_length + int(last_epoch_fraction * ((tokens - 1) // seq_length))
     ds = GPTDataset(indexed, (0, 12), seq_length=seq_length, seed=9, eod_id=999, num_samples=num_samples,
-                    cache_dir=str(tmp_path / "c"))
+                    cache_dir=str(tmp_path / "c"), sample_order="meshtron")
     num_epochs = ds.num_epochs
     assert (num_epochs * tokens - 1) // seq_length >= num_samples > ((num_epochs - 1) * tokens - 1) // seq_length
     num_first = ((num_epochs - 1) * tokens - 1) // seq_length
