@@ -137,6 +137,9 @@ class ModelConfig:
         False, "Pad the routing map so each expert's token count is a multiple of moe_router_padding_alignment")
     moe_router_padding_alignment: int = option(16, "Alignment of expert token counts when padding (16/32/64/128)")
     moe_grouped_gemm: bool = option(True, "Experts as grouped GEMMs (torch._grouped_mm) where supported; else a loop")
+    attention_backend: Literal["auto", "sdpa", "flex"] = option(
+        "auto", "Full-sequence attention kernel: auto (FlexAttention on CUDA for documents, windows or sinks "
+                "without attention dropout; SDPA otherwise and on a CPU), sdpa, flex (docs/models.md)")
 
     @property
     def pattern(self) -> str:
@@ -308,6 +311,9 @@ class ModelConfig:
             n = self.pattern.count("*")
             check(len(skip) == n and all(v in (0, 1) for v in skip), "model.window_attn_skip_freq", skip,
                   f"give one 0 (full) or 1 (window) per attention layer ({n} of them)")
+        check(self.attention_backend != "flex" or self.attention_dropout == 0, "model.attention_backend",
+              self.attention_backend, "flex has no attention dropout; set model.attention_dropout 0 or use auto "
+                                      "(it keeps SDPA when dropout is on)")
         if self.multi_latent_attention:
             check(not self.qk_layernorm, "model.qk_layernorm", self.qk_layernorm,
                   "multi_latent_attention always normalises its latents; set qk_layernorm false")

@@ -24,7 +24,8 @@ def build_attention(cfg: ModelConfig, layer_id: int, window_size: Optional[int])
     """`layer_id` keys the KV cache; `window_size` is this layer's window (None: full attention)."""
     common = dict(layer_id=layer_id, qkv_bias=cfg.add_qkv_bias, out_bias=cfg.add_bias_linear,
                   dropout=cfg.attention_dropout, softmax_type=cfg.softmax_type, window_size=window_size,
-                  rotary_interleaved=cfg.rotary_interleaved, norm_eps=cfg.norm_epsilon)
+                  rotary_interleaved=cfg.rotary_interleaved, norm_eps=cfg.norm_epsilon,
+                  attention_backend=cfg.attention_backend)
     if cfg.multi_latent_attention:
         scale = attention_softmax_scale(cfg, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
         return MultiLatentAttention(

@@ -26,8 +26,9 @@ class Attention(nn.Module):
                  layer_id: int, qkv_bias: bool = False, out_bias: bool = False, dropout: float = 0.0,
                  qk_norm: Optional[str] = None, norm_eps: float = 1e-5, softmax_type: str = "vanilla",
                  softmax_scale: Optional[float] = None, window_size: Optional[int] = None,
-                 rotary_interleaved: bool = False):
-        """qk_norm: None or a norm kind ('RMSNorm', 'LayerNorm') applied per head to queries and keys."""
+                 rotary_interleaved: bool = False, attention_backend: str = "auto"):
+        """qk_norm: None or a norm kind ('RMSNorm', 'LayerNorm') applied per head to queries and keys;
+        attention_backend: auto, sdpa or flex (attention_core.attend)."""
         super().__init__()
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type {softmax_type!r}; choose one of {SOFTMAX_TYPES}")
@@ -36,6 +37,7 @@ class Attention(nn.Module):
         self.dropout = dropout
         self.scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
         self.window_size, self.softmax_type, self.rotary_interleaved = window_size, softmax_type, rotary_interleaved
+        self.attention_backend = attention_backend
         self.wq = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
         self.wk = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
@@ -68,5 +70,5 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         k, v = ctx.update_kv(self.layer_id, k, v)
         out = attend(q, k, v, ctx, scale=self.scale, window_size=self.window_size, sink_logits=self.sink_logits(q),
-                     dropout=self.dropout if self.training else 0.0)
+                     dropout=self.dropout if self.training else 0.0, backend=self.attention_backend)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

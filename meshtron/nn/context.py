@@ -9,6 +9,8 @@ The mask contract: `attention_mask(window_size)` is a boolean (batch or 1, 1, qu
 True where a query may attend a key: causal, same document when packed, and with a window W a query
 at index i sees keys j with i - W < j <= i (itself and the W-1 before it). `sdpa_mask(window_size)`
 gives the same as keyword arguments for `scaled_dot_product_attention` (just `is_causal` when it can).
+A full-sequence context also offers `flex_block_mask(window_size)`: the same mask as a FlexAttention
+`BlockMask` (nn/flex_attention.py), built once per forward and shared by every layer.
 
 The recurrent-state contract (Mamba): `mamba_states(layer_id)` returns None (every row starts from
 a zero state and nothing is kept: training) or a list of `RecurrentState`s, each covering some
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+from meshtron.nn.flex_attention import build_block_mask
 
 
 @dataclass
@@ -57,6 +61,8 @@ class PackedContext:
     document_ids: Optional[torch.Tensor] = None
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin), filled by the model
     _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)  # by window size
+    # FlexAttention BlockMasks by window size; not an __init__ argument (subclasses' arguments keep their places)
+    _block_masks: dict[Optional[int], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def for_tokens(cls, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
@@ -88,6 +94,17 @@ class PackedContext:
         if self.document_ids is None and window_size is None:
             return {"is_causal": True}
         return {"attn_mask": self.attention_mask(window_size)}
+
+    def is_plain_causal(self, window_size: Optional[int] = None) -> bool:
+        """Whether the mask is causal only (no documents, no window): SDPA's is_causal covers it."""
+        return self.document_ids is None and window_size is None
+
+    @torch.compiler.disable  # built eagerly, once, even when the layer asking first is compiled
+    def flex_block_mask(self, window_size: Optional[int] = None):
+        """The `attention_mask(window_size)` as a FlexAttention BlockMask, built on first request."""
+        if window_size not in self._block_masks:
+            self._block_masks[window_size] = build_block_mask(self.positions, self.document_ids, window_size)
+        return self._block_masks[window_size]
 
 
 @dataclass

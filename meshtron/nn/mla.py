@@ -28,7 +28,8 @@ class MultiLatentAttention(nn.Module):
                  kv_lora_rank: int, qk_head_dim: int, qk_pos_emb_head_dim: int, v_head_dim: int,
                  qkv_bias: bool = False, out_bias: bool = False, norm: str = "RMSNorm", norm_eps: float = 1e-5,
                  dropout: float = 0.0, softmax_type: str = "vanilla", softmax_scale: Optional[float] = None,
-                 window_size: Optional[int] = None, rotary_interleaved: bool = False):
+                 window_size: Optional[int] = None, rotary_interleaved: bool = False,
+                 attention_backend: str = "auto"):
         super().__init__()
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type {softmax_type!r}; choose one of {SOFTMAX_TYPES}")
@@ -39,6 +40,7 @@ class MultiLatentAttention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else q_dim ** -0.5
         self.dropout, self.window_size, self.softmax_type = dropout, window_size, softmax_type
         self.rotary_interleaved = rotary_interleaved
+        self.attention_backend = attention_backend
         if q_lora_rank is None:
             self.wq: Optional[nn.Linear] = nn.Linear(hidden_size, num_heads * q_dim, bias=False)
             self.wq_a = self.q_norm = self.wq_b = None
@@ -76,5 +78,5 @@ class MultiLatentAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, dim)
         k, v = ctx.update_kv(self.layer_id, k, v)
         out = attend(q, k, v, ctx, scale=self.scale, window_size=self.window_size, sink_logits=self.sink_logits(q),
-                     dropout=self.dropout if self.training else 0.0)
+                     dropout=self.dropout if self.training else 0.0, backend=self.attention_backend)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
