@@ -168,6 +168,35 @@ def test_compiled_flex_matches_reference_without_recompiling():
     assert compiled_frames > 0 and counters["frames"]["ok"] == compiled_frames
 
 
+@pytest.mark.slow  # compiles every sublayer for the CPU (~1.5 min on a loaded 2-core machine)
+def test_compiled_sublayers_with_flex_do_not_recompile_per_micro_batch():
+    """parallel.compile's per-sublayer compile with flex: the block mask is built outside the compiled
+    graphs, and a second micro-batch with other documents reuses every compiled graph (equal to SDPA)."""
+    from torch._dynamo.utils import counters
+
+    from meshtron.parallel.compile import apply_compile
+
+    cfg = small_config(window_size=16, max_position_embeddings=256, attention_backend="flex")
+    model = GPTModel(cfg).eval()
+    reference = GPTModel(small_config(window_size=16, max_position_embeddings=256)).eval()
+    reference.load_state_dict(model.state_dict())
+    for layer in reference.layers:
+        if hasattr(layer.mixer, "attention_backend"):
+            layer.mixer.attention_backend = "sdpa"
+    apply_compile(model)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # a compiled CPU flex kernel has no backward (PyTorch 2.13)
+        for step in range(2):
+            tokens = torch.randint(0, 128, (2, 200), generator=g)
+            docs = packed_ids(2, 200, g)
+            out = model(tokens, PackedContext.for_tokens(tokens, docs))
+            torch.testing.assert_close(out, reference(tokens, PackedContext.for_tokens(tokens, docs)),
+                                       rtol=1e-5, atol=1e-5)
+            if step == 0:
+                frames = counters["frames"]["total"]
+    assert counters["frames"]["total"] == frames
+
+
 def small_config(**overrides) -> ModelConfig:
     cfg = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
                max_position_embeddings=64, window_size=6, window_attn_skip_freq=2)
