@@ -37,7 +37,7 @@ Q_BLOCK_SIZE = 128
 NO_WINDOW = 2**30
 # flex's CUDA kernels read keys in tiles of >= 16 that must divide a BlockMask key block (a cache block)
 MIN_CUDA_BLOCK = 16
-# one compiled variant per (window, query-tile width, decode/prefill kernel, 1-or-more sizes): more than
+# one compiled variant per (window, sinks, query-tile width, decode/prefill kernel, 1-or-more sizes): more than
 # dynamo's default of 8, past which it would run flex's dense reference instead
 RECOMPILE_LIMIT = 64
 
@@ -159,14 +159,14 @@ def _query_tile(num_tokens: int, group: int) -> int:
 
 def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: MaskTensors, query_seq: torch.Tensor,
                query_pos: torch.Tensor, block_logical: torch.Tensor, bs: int, window_size: int, q_tile: int,
-               scale: float, kernel_options: Optional[dict]):
-    """-> (out, AuxOutput with the natural-log lse). The BlockMask is assembled here, so under
-    torch.compile its tensors are graph inputs, not guards."""
+               scale: float, kernel_options: Optional[dict], with_lse: bool):
+    """-> out, or with_lse (out, AuxOutput with the natural-log lse; flex's CPU kernel has none). The
+    BlockMask is assembled here, so under torch.compile its tensors are graph inputs, not guards."""
     mask_mod = _paged_mask_mod(query_seq, query_pos, block_logical, bs, window_size)
     block_mask = BlockMask.from_kv_blocks(*masks, BLOCK_SIZE=(q_tile, bs), mask_mod=mask_mod,
                                           seq_lengths=(q.shape[2], k.shape[2]), compute_q_blocks=False)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                          return_aux=AuxRequest(lse=True), kernel_options=kernel_options)
+                          return_aux=AuxRequest(lse=True) if with_lse else None, kernel_options=kernel_options)
 
 
 _compiled: Optional[Callable] = None
@@ -203,16 +203,17 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     v = v_cache.view(1, slots, *v_cache.shape[2:]).transpose(1, 2)
     args = (q, k, v, plan.mask_tensors(window_size), plan.query_seq, plan.query_pos, plan.block_logical, bs,
             NO_WINDOW if window_size is None else window_size, _query_tile(q.shape[2], q.shape[1] // k.shape[1]),
-            scale, cuda_kernel_options(bs) if q.is_cuda else None)
+            scale, cuda_kernel_options(bs) if q.is_cuda else None, sink_logits is not None)
     if compiled:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            out, aux = compiled_flex_call()(*args)
+            result = compiled_flex_call()(*args)
     else:
         with warnings.catch_warnings():  # the eager reference is chosen knowingly (CPU, tests)
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out, aux = _flex_call(*args)
+            result = _flex_call(*args)
     if sink_logits is None:
-        return out
+        return result
+    out, aux = result
     keep = torch.sigmoid(aux.lse - sink_logits.to(aux.lse.dtype).view(1, -1, 1))  # (1, heads, T)
     return out * keep[..., None].to(out.dtype)
 

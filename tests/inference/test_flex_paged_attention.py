@@ -154,7 +154,7 @@ def run(eng, prompts, params):
     return [o.token_ids for o in eng.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("kind", ["gqa-rope", "window-rope", "window-sinks-learned-pos"])
+@pytest.mark.parametrize("kind", ["gqa-rope", "window-rope", "window-sinks-learned-pos", "mla"])
 def test_engine_flex_equals_gather_and_the_reference_with_chunked_prefill_and_preemption(kind):
     model = tiny_model(kind)
     prompts, max_tokens = workload(num_requests=8, max_prompt=20, max_output=8, seed=2)
