@@ -34,8 +34,11 @@ from meshtron.models.hf.convert import converted_run_config, meshtron_shapes
 from meshtron.models.hf.dcp_io import CheckpointTensors, write_model_checkpoint
 from meshtron.models.megatron.dcp_files import TRACKER, MegatronCheckpoint, TensorOut, write_dcp
 from meshtron.models.megatron.names import (
-    EXTRA_STATE_MODULES,
+    ATTENTION_EXTRA_STATE,
+    DENSE_EXTRA_STATE,
+    EXPERT_EXTRA_STATE,
     LAYERS_PREFIX,
+    SHARED_EXPERT_EXTRA_STATE,
     LayerMap,
     MegatronError,
     args_from_model_config,
@@ -186,9 +189,7 @@ def meshtron_to_megatron(checkpoint: str | Path, output: str | Path) -> list[str
                                 f"config implies {list(shape)}")
     dtype = tensors.shapes["embedding.weight"][1]
     outs = _tensors_out(cfg, expected, tensors, dtype)
-    num_layers = cfg.pattern.count("*")
-    objects: dict[str, Any] = {f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}_{num_layers}": None
-                               for module in EXTRA_STATE_MODULES for i in range(num_layers)}
+    objects = _extra_states(cfg)
     objects["common_state/shard_0_1"] = {"args": argparse.Namespace(**args_from_model_config(cfg)),
                                          "checkpoint_version": 3.0, "iteration": 0}
 
@@ -202,6 +203,22 @@ def meshtron_to_megatron(checkpoint: str | Path, output: str | Path) -> list[str
     notes = [f"dropped {len(dropped)} tensors a Megatron GPTModel has no place for (e.g. {dropped[0]})"] if dropped else []
     return notes + ["optimizer state is not converted: start Megatron-LM with --no-load-optim --no-load-rng "
                     "(or --finetune)"]
+
+
+def _extra_states(cfg: ModelConfig) -> dict[str, Any]:
+    """The `_extra_state` objects megatron-core's GPTModel saves (None: the local spec keeps nothing),
+    named as its ShardedObjects are: `/shard_<layer>_<layers>`, experts `/shard_<layer>.<expert>_<layers>.<experts>`."""
+    num_layers = cfg.pattern.count("*")
+    moe = "E" in cfg.pattern
+    per_layer = ATTENTION_EXTRA_STATE + ((SHARED_EXPERT_EXTRA_STATE if cfg.moe_shared_expert_intermediate_size else ())
+                                         if moe else DENSE_EXTRA_STATE)
+    objects: dict[str, Any] = {f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}_{num_layers}": None
+                               for module in per_layer for i in range(num_layers)}
+    if moe:
+        experts = cfg.num_moe_experts
+        objects.update({f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}": None
+                        for module in EXPERT_EXTRA_STATE for i in range(num_layers) for e in range(experts)})
+    return objects
 
 
 def _tensors_out(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], tensors: CheckpointTensors,

@@ -59,8 +59,34 @@ ARGUMENTS: dict[str, tuple[str, str]] = {
     "attention_dropout": ("attention_dropout", ""),
     "hidden_dropout": ("hidden_dropout", ""),
     "init_method_std": ("init_method_std", ""),
-    "num_moe_experts": ("num_experts", "MoE layers are not converted yet: refused"),
+    "num_moe_experts": ("num_experts", "every layer MoE (moe_layer_freq 1) converts both ways"),
+    "moe_layer_freq": ("moe_layer_freq", "only 1 (every layer MoE) converts"),
+    "moe_ffn_hidden_size": ("moe_ffn_hidden_size", ""),
+    "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", ""),
+    "moe_shared_expert_gate": ("moe_shared_expert_gate", ""),
+    "moe_router_topk": ("moe_router_topk", ""),
+    "moe_router_score_function": ("moe_router_score_function", ""),
+    "moe_router_pre_softmax": ("moe_router_pre_softmax", ""),
+    "moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor", ""),
+    "moe_router_num_groups": ("moe_router_num_groups", ""),
+    "moe_router_group_topk": ("moe_router_group_topk", ""),
+    "moe_router_dtype": ("moe_router_dtype", "Megatron's null (the input dtype) is `input`; fp64 is refused"),
+    "moe_input_jitter_eps": ("moe_input_jitter_eps", ""),
+    "moe_router_load_balancing_type": ("moe_router_load_balancing_type", "global_aux_loss reads as aux_loss; "
+                                       "sinkhorn is refused"),
+    "moe_aux_loss_coeff": ("moe_aux_loss_coeff", ""),
+    "moe_z_loss_coeff": ("moe_z_loss_coeff", ""),
+    "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", ""),
+    "moe_router_bias_update_rate": ("moe_router_bias_update_rate", ""),
+    "moe_expert_capacity_factor": ("moe_expert_capacity_factor", ""),
+    "moe_token_drop_policy": ("moe_token_drop_policy", ""),
+    "moe_grouped_gemm": ("moe_grouped_gemm", ""),
 }
+_MOE_COPIED = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_topk",
+               "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+               "moe_router_num_groups", "moe_router_group_topk", "moe_input_jitter_eps", "moe_aux_loss_coeff",
+               "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_grouped_gemm")
 
 _COPIED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
            "rotary_base", "rotary_percent", "rotary_interleaved", "rope_scaling_factor", "normalization",
@@ -68,7 +94,8 @@ _COPIED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"
 
 # Arguments that change the tensors or the math in ways the converter does not carry: (attribute, refused when)
 _REFUSED = {
-    "num_experts": "MoE layers (convert a dense model; MoE is not supported by this converter yet)",
+    "moe_use_legacy_grouped_gemm": "the legacy grouped-GEMM expert layout",
+    "moe_router_bias": "a bias in the router's linear layer",
     "multi_latent_attention": "multi-latent attention",
     "mtp_num_layers": "multi-token prediction layers",
     "hybrid_override_pattern": "a hybrid (Mamba) layer pattern",
@@ -111,6 +138,8 @@ def model_config_from_args(args: dict[str, Any], vocab_size: int) -> ModelConfig
         activation="swiglu" if args.get("swiglu") else "squared_relu" if args.get("squared_relu") else "gelu",
         tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False),
         num_moe_experts=None, mtp_num_layers=0)
+    if args.get("num_experts"):
+        fields.update(_moe_fields(args))
     if fields.get("normalization") not in (None, "RMSNorm", "LayerNorm"):
         raise MegatronError(f"args.normalization = {fields['normalization']!r}: only RMSNorm and LayerNorm convert")
     if fields.get("add_bias_linear"):
@@ -118,6 +147,26 @@ def model_config_from_args(args: dict[str, Any], vocab_size: int) -> ModelConfig
     cfg = ModelConfig(**fields)
     cfg.validate()
     return cfg
+
+
+def _moe_fields(args: dict[str, Any]) -> dict[str, Any]:
+    freq = args.get("moe_layer_freq", 1)
+    if freq not in (1, None) and not (isinstance(freq, list) and all(f == 1 for f in freq)):
+        raise MegatronError(f"args.moe_layer_freq = {freq!r}: only every layer MoE (1) converts; mixed dense and MoE "
+                            "layers are not supported by this converter")
+    fields = {n: args[n] for n in _MOE_COPIED if args.get(n) is not None}
+    balancing = args.get("moe_router_load_balancing_type") or "aux_loss"
+    balancing = balancing[0] if isinstance(balancing, list) and len(set(balancing)) == 1 else balancing
+    if balancing not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+        raise MegatronError(f"args.moe_router_load_balancing_type = {balancing!r}: meshtron has aux_loss, "
+                            "seq_aux_loss and none")
+    router_dtype = args.get("moe_router_dtype")
+    if router_dtype not in (None, "fp32"):
+        raise MegatronError(f"args.moe_router_dtype = {router_dtype!r}: meshtron routes in fp32 or the input dtype")
+    fields.update(num_moe_experts=args["num_experts"], moe_layer_freq=1,
+                  moe_router_load_balancing_type="aux_loss" if balancing == "global_aux_loss" else balancing,
+                  moe_router_dtype="input" if router_dtype is None else "fp32")
+    return fields
 
 
 def args_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -132,6 +181,11 @@ def args_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
         swiglu=cfg.activation == "swiglu", squared_relu=cfg.activation == "squared_relu",
         untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, num_experts=None,
         ckpt_format="torch_dist", transformer_impl="local")
+    if cfg.num_moe_experts and "E" in cfg.pattern:
+        args.update({n: getattr(cfg, n) for n in _MOE_COPIED})
+        args.update(num_experts=cfg.num_moe_experts, moe_layer_freq=1, moe_ffn_hidden_size=cfg.moe_ffn_size,
+                    moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+                    moe_router_dtype=None if cfg.moe_router_dtype == "input" else "fp32")
     return args
 
 
@@ -143,8 +197,11 @@ def check_supported(cfg: ModelConfig) -> None:
         if not ok:
             raise MegatronError(f"model.{field} = {value!r}: a Megatron GPTModel checkpoint needs {why}")
 
-    need(cfg.pattern == "*-" * n, "layer_pattern", cfg.pattern, "attention and a dense MLP in every layer ('*-' "
-         "repeated; MoE, Mamba and hybrid patterns do not convert yet)")
+    need(cfg.pattern in ("*-" * n, "*E" * n), "layer_pattern", cfg.pattern, "attention and a dense MLP in every "
+         "layer ('*-' repeated) or attention and MoE in every layer ('*E'); mixed, Mamba and hybrid patterns do not "
+         "convert")
+    need(cfg.moe_router_type == "topk", "moe_router_type", cfg.moe_router_type, "the top-k router")
+    need(not cfg.moe_router_add_bias, "moe_router_add_bias", True, "a router without a linear bias")
     need(not cfg.multi_latent_attention, "multi_latent_attention", True, "grouped-query attention")
     need(cfg.position_embedding_type in ("rope", "none"), "position_embedding_type", cfg.position_embedding_type,
          "rope or none")
@@ -157,6 +214,10 @@ def check_supported(cfg: ModelConfig) -> None:
          cfg.activation_func_clamp_value, "no MLP clamp or linear offset")
     need(cfg.add_qkv_bias or not cfg.add_bias_linear, "add_qkv_bias", cfg.add_qkv_bias,
          "q/k/v biases whenever add_bias_linear is set (linear_qkv has one bias)")
+    need(cfg.attention_output_bias == cfg.add_bias_linear, "add_bias_attention_output", cfg.add_bias_attention_output,
+         "the attention-output bias to follow add_bias_linear (one switch in Megatron): null")
+    need(not cfg.rope_scaling or cfg.rope_scaling_type == "llama3", "rope_scaling_type", cfg.rope_scaling_type,
+         "llama3 (use_rope_scaling); linear frequency scaling has no Megatron argument")
 
 
 # ---- tensors -----------------------------------------------------------------------------------
@@ -168,8 +229,9 @@ class Piece:
 
     megatron: str
     parts: tuple[str, ...]
-    sublayer: int = 0             # 0: the attention sublayer of the layer, 1: its MLP (layer pieces)
+    sublayer: int = 0             # 0: the attention sublayer of the layer, 1: its MLP or MoE (layer pieces)
     qkv: bool = False
+    dim: int = 0                  # the dimension the parts are concatenated along (1 for stacked experts)
     local_name: Optional[str] = None  # the local spec's own name (read, never written)
 
 
@@ -190,6 +252,16 @@ LAYER_PIECES = (
     Piece("mlp.linear_fc1.bias", ("mixer.w_gate.bias", "mixer.w_up.bias"), 1),
     Piece("mlp.linear_fc2.weight", ("mixer.w_down.weight",), 1),
     Piece("mlp.linear_fc2.bias", ("mixer.w_down.bias",), 1),
+    # MoE: the router, the experts stacked on an expert axis (SequentialMLP and grouped experts save
+    # `experts.experts.*` with shape (experts, ...)), the shared experts and their gate
+    Piece("mlp.router.weight", ("mixer.router.weight",), 1),
+    Piece("mlp.router.expert_bias", ("mixer.router.expert_bias",), 1),
+    Piece("mlp.experts.experts.linear_fc1.weight", ("mixer.experts.w_gate", "mixer.experts.w_up"), 1, dim=1),
+    Piece("mlp.experts.experts.linear_fc2.weight", ("mixer.experts.w_down",), 1),
+    Piece("mlp.shared_experts.linear_fc1.weight", ("mixer.shared_experts.w_gate.weight",
+                                                   "mixer.shared_experts.w_up.weight"), 1),
+    Piece("mlp.shared_experts.linear_fc2.weight", ("mixer.shared_experts.w_down.weight",), 1),
+    Piece("mlp.shared_experts.gate_weight", ("mixer.shared_expert_gate.weight",), 1),
 )
 GLOBAL_PIECES = (
     Piece("embedding.word_embeddings.weight", ("embedding.weight",)),
@@ -197,8 +269,12 @@ GLOBAL_PIECES = (
     Piece("decoder.final_layernorm.bias", ("final_norm.bias",)),
     Piece("output_layer.weight", ("output.weight",)),
 )
-# The linears whose (empty, for the local spec) `_extra_state` Megatron saves per layer.
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+# The linears whose (empty, for the local spec) `_extra_state` Megatron saves per layer: attention,
+# then a dense MLP's, or an MoE layer's shared experts' (per layer) and experts' (per layer and expert).
+ATTENTION_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv")
+DENSE_EXTRA_STATE = ("mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_EXPERT_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 LAYERS_PREFIX = "decoder.layers."
 
 
@@ -252,19 +328,21 @@ def to_meshtron(m: LayerMap, tensor: torch.Tensor, cfg: ModelConfig,
         return split_qkv(tensor, cfg)
     if len(m.parts) == 1:
         return [tensor]
-    return list(tensor.split([shapes[p][0] for p in m.parts], dim=0))
+    d = m.piece.dim
+    return list(tensor.split([shapes[p][d] for p in m.parts], dim=d))
 
 
 def to_megatron(m: LayerMap, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     if m.piece.qkv:
         return fuse_qkv(*parts, cfg)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=m.piece.dim)
 
 
 def megatron_shape(m: LayerMap, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """The Megatron tensor's shape for one layer (without the stacking axis)."""
-    first = shapes[m.parts[0]]
-    return (sum(shapes[p][0] for p in m.parts), *first[1:])
+    shape = list(shapes[m.parts[0]])
+    shape[m.piece.dim] = sum(shapes[p][m.piece.dim] for p in m.parts)
+    return tuple(shape)
 
 
 def config_table() -> str:

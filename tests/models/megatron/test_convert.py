@@ -137,6 +137,31 @@ def test_meshtron_model_exported_gives_megatron_core_the_same_logits(megatron, t
         assert relative_diff(ours(tokens), mh.logits(theirs, tokens)) <= RTOL
 
 
+@pytest.mark.slow  # an MoE model saved, converted both ways (~20 s)
+def test_moe_layers_both_ways(megatron, tmp_path):
+    """Router, 4 experts (SequentialMLP, stacked on an expert axis on disk), a shared expert: logits and tensors."""
+    torch.manual_seed(21)
+    model = mh.build_moe_gpt()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    mh.save_megatron(model, tmp_path / "meg", mh.moe_args(model))
+    step_dir = megatron_to_meshtron(tmp_path / "meg", tmp_path / "ckpt")
+    cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(step_dir))).model
+    assert (cfg.pattern, cfg.num_moe_experts, cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_intermediate_size) == \
+        ("*E*E", 4, 48, 32)
+    check_logits(model, step_dir)
+    meshtron_to_megatron(tmp_path / "ckpt", tmp_path / "back")
+    torch.manual_seed(22)
+    fresh = mh.build_moe_gpt()
+    mh.load_megatron(fresh, tmp_path / "back" / "release")
+    expected, got = mh.state_tensors(model), mh.state_tensors(fresh)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
 def test_qkv_layout_matches_megatron_core_split():
     """split_qkv against megatron's own reading of linear_qkv: view (groups, (q_per_group + 2) * head_dim)."""
     cfg = dataclasses.replace(RunConfig().model, hidden_size=8, num_attention_heads=4, num_query_groups=2)
@@ -202,16 +227,19 @@ def test_checkpoint_contradicting_the_config_is_refused(saved, tmp_path, capsys,
 def test_unsupported_layer_types_in_args_are_refused(saved, tmp_path, capsys):
     model, _ = saved[False]
     args = vars(mh.megatron_args(model, False))
-    with pytest.raises(MegatronError, match="num_experts = 8: the checkpoint uses MoE layers"):
-        model_config_from_args({**args, "num_experts": 8}, 128)
+    with pytest.raises(MegatronError, match="moe_layer_freq = \\[0, 1\\]: only every layer MoE"):
+        model_config_from_args({**args, "num_experts": 8, "moe_layer_freq": [0, 1]}, 128)
+    with pytest.raises(MegatronError, match="multi_latent_attention = True"):
+        model_config_from_args({**args, "multi_latent_attention": True}, 128)
     with pytest.raises(MegatronError, match="learned_absolute"):
         model_config_from_args({**args, "position_embedding_type": "learned_absolute"}, 128)
-    # and through the files: a checkpoint whose args name MoE is refused before anything is written
+    # and through the files: a dense checkpoint whose args say MoE has no router tensor; nothing is written
     root = tmp_path / "moe"
-    mh.save_megatron(model, root, argparse_namespace({**args, "num_experts": 8}))
+    mh.save_megatron(model, root, argparse_namespace({**args, "num_experts": 8, "moe_ffn_hidden_size": 48}))
     rc, err = run_cli(["convert", "megatron-to-meshtron", "--megatron-dir", str(root), "--output",
                        str(tmp_path / "out")], capsys)
-    assert rc == 2 and "MoE" in err and len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert rc == 2 and len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert "tensor 'decoder.layers.mlp.router.weight' is missing" in err, err
 
 
 class WriterEnum(enum.Enum):  # stands for Megatron's AttnBackend: a class meshtron never imports
@@ -249,13 +277,13 @@ def test_common_state_never_runs_code(tmp_path):
 def test_meshtron_to_megatron_refuses_what_megatron_gpt_cannot_hold(tmp_path, capsys):
     run = RunConfig()
     run.model = dataclasses.replace(run.model, num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
-                                    make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=16)
+                                    make_vocab_size_divisible_by=1, softmax_type="learnable")
     state = GPTModel(run.model).state_dict()
     write_model_checkpoint(tmp_path / "ckpt", 0, {n: (tuple(t.shape), t.dtype) for n, t in state.items()},
                            state.__getitem__, {"step": 0, "model_only": True},
                            yaml.safe_dump(config_to_dict(run), sort_keys=False))
     rc, err = run_cli(["convert", "meshtron-to-megatron", "--checkpoint", str(tmp_path / "ckpt"), "--output",
                        str(tmp_path / "meg")], capsys)
-    assert rc == 2 and "model.layer_pattern" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "model.softmax_type" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "meg").exists() and not list(tmp_path.glob(".meg*"))
     shutil.rmtree(tmp_path / "ckpt")
