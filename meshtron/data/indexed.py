@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtron.config.fields import ConfigError
 from meshtron.data import megatron_format as mf
+from meshtron.data.megatron_format import IndexedDatasetError
 
 VERSION = 1
 BIN_MAGIC, IDX_MAGIC = b"MSHTBIN\x00", b"MSHTIDX\x00"
@@ -39,10 +39,6 @@ FORMATS = ("megatron", "meshtron")
 DEFAULT_FORMAT = "megatron"   # what `meshtron preprocess` writes unless told otherwise
 CHECK_ENTRIES = 1 << 22   # index entries per vectorised step of the open-time check (bounds its memory)
 SCAN_BYTES = 16 << 20     # .bin bytes per step of a full scan or copy
-
-
-class IndexedDatasetError(ConfigError):
-    """A missing, truncated, corrupt or mismatched .bin/.idx pair (a ConfigError: one line for the user)."""
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:

@@ -38,8 +38,13 @@ SIDECAR_KIND = "meshtron-sidecar"
 CHUNK = 1 << 22   # index entries per vectorised step (bounds the memory of checks and writes)
 
 
-class MegatronFormatError(ConfigError):
-    """A Megatron-format prefix that is truncated, corrupt or inconsistent (one line for the user)."""
+class IndexedDatasetError(ConfigError):
+    """A missing, truncated, corrupt or mismatched .bin/.idx pair (a ConfigError: one line for the user).
+    Defined here, below indexed.py which re-exports it, so that both formats raise the same error."""
+
+
+class MegatronFormatError(IndexedDatasetError):
+    """A Megatron-format prefix that is truncated, corrupt or inconsistent."""
 
 
 def sidecar_path(prefix: str | Path) -> Path:
@@ -163,7 +168,7 @@ def write_index(path: Path, dtype: np.dtype, lengths, document_indices=None) -> 
     return crc
 
 
-def file_crc32(path: Path, block: int = 16 << 20) -> int:
+def file_crc32(path: Path, block: int = 1 << 20) -> int:
     crc = 0
     with open(path, "rb") as f:
         while data := f.read(block):

@@ -41,8 +41,10 @@ def write_with_megatron(prefix, docs: list[list[int]], dtype, *, sentences_per_d
 
 
 def read_with_megatron(prefix) -> list[np.ndarray]:
+    """Every sequence, copied: megatron-core closes its memory map when the dataset object dies, and a
+    view into it would then point at unmapped memory."""
     ds = megatron_indexed.IndexedDataset(str(prefix))
-    return [np.asarray(ds[k]) for k in range(len(ds))]
+    return [np.array(ds[k], copy=True) for k in range(len(ds))]
 
 
 def megatron_gpt_datasets(prefix, *, seed: int, seq_length: int, split: str, sizes: list[int | None],
