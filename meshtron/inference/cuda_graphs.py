@@ -29,6 +29,7 @@ captured: its BlockMask's block lists change size every step, which a fixed-shap
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -224,6 +225,10 @@ class CudaGraphRunner:
         if cache.device.type != "cuda" or not torch.cuda.is_available():
             warnings.warn("engine.cuda_graphs needs a CUDA device; running eagerly", stacklevel=2)
             return None
+        if cfg.layout == "varlen":
+            logging.getLogger("meshtron.engine").info(
+                "engine.cuda_graphs: replays gather each row's key blocks in fixed shapes (FlexAttention is not "
+                "captured: its block lists change size every step); engine.decode_attention serves steps no bucket holds")
         runner = cls(model, cache, cfg)
         runner.capture_all()
         return runner
