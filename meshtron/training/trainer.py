@@ -38,6 +38,7 @@ from meshtron.parallel.clip import clip_grad_norm_
 from meshtron.parallel.dims import ParallelDims
 from meshtron.parallel.distributed import all_reduce_sum, init_distributed
 from meshtron.parallel.parts import ModelParts
+from meshtron.parallel.random import DROPOUT_RNG_KEY, apply_dropout_rng
 from meshtron.parallel.watchdog import Watchdog, step_time_extremes
 from meshtron.training.flops import resolve_peak_flops
 from meshtron.training.grad_capture import GradCapture
@@ -196,6 +197,9 @@ class Trainer:
         else:
             parts = [model]
         parallelize_parts(parts, self.dims, self.mesh, cfg)
+        # dropout streams per rank (parallel/random.py), after every rank built the same weights
+        self.dropout_rng = apply_dropout_rng(parts, self.mesh, cfg.train.seed, self.device,
+                                             sequence_parallel=self.dims.tp > 1 and cfg.parallel.sequence_parallel)
         self.model_parts = parts
         self.model = parts[0] if self.pipeline is None else ModelParts(parts)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -446,9 +450,11 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides weights and optimizer; a collective (every rank's dropout
+        streams are gathered), so every rank calls it."""
         return {"step": self.step, "data": self.loader.state_dict(), "rng": rng_state(),
                 "schedule": self.schedule.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                "num_skipped": self.num_skipped}
+                "num_skipped": self.num_skipped, DROPOUT_RNG_KEY: self.dropout_rng.state_dict()}
 
     def save(self) -> None:
         self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
@@ -464,6 +470,7 @@ class Trainer:
             self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
             self.num_skipped = int(state.get("num_skipped", 0))
             set_rng_state(state["rng"])
+            self.dropout_rng.load_state_dict(state.get(DROPOUT_RNG_KEY), self.step)  # this rank's own streams
 
     # ---- the loop ------------------------------------------------------------------------------
 
