@@ -145,6 +145,8 @@ def test_selection_on_cuda_and_the_block_size_rule(monkeypatch):
     choice, fn = selection.select_decode_attention(model, EngineConfig(block_size=4, decode_attention="flex"), CPU)
     assert choice == "flex" and not fn.compiled  # the eager reference on a CPU, any block size
     assert selection.select_decode_attention(model, EngineConfig(), CPU)[0] in ("native", "gather")  # CPU unchanged
+    # the CUDA kernels' key tile divides the cache block (BlockMask key block): 16, 48 -> 16; 32 -> 32; 64, 256 -> 64
+    assert [flex.cuda_kernel_options(b)["BLOCK_N"] for b in (16, 48, 32, 64, 256)] == [16, 16, 32, 64, 64]
 
 
 # --- the engine -----------------------------------------------------------------------------------
