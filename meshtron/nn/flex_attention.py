@@ -95,27 +95,37 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: B
 
     sink_logits: (heads,) or None (see the module docstring). compiled: run the torch.compile'd kernel;
     None means on CUDA only (a compiled CPU kernel has neither backward nor lse in PyTorch 2.13)."""
-    global _compiled_flex
-    if compiled is None:
-        compiled = q.is_cuda
-    if compiled and _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    kernel = _compiled_flex if compiled else flex_attention
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if sink_logits is not None:
         kwargs["return_aux"] = AuxRequest(lse=True)
-    try:
-        with warnings.catch_warnings():
-            # eager flex is PyTorch's reference implementation, chosen on purpose on a CPU
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            result = kernel(q, k, v, **kwargs)
-    except NotImplementedError as e:
-        if q.device.type != "cpu":
-            raise
-        raise ValueError(f"model.attention_backend flex on a CPU: {e}; use model.attention_backend auto or sdpa "
-                         "there") from None
+    if torch.compiler.is_compiling():  # inside a compiled sublayer: flex is traced into its graph
+        result = flex_attention(q, k, v, **kwargs)
+    elif q.is_cuda if compiled is None else compiled:
+        result = _compiled_kernel()(q, k, v, **kwargs)
+    else:
+        result = _eager_flex(q, k, v, kwargs)
     if sink_logits is None:
         return result
     out, aux = result
     factor = torch.sigmoid(aux.lse - sink_logits.float().view(1, -1, 1))  # (batch, heads, seq), fp32
     return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
+
+
+def _compiled_kernel():
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def _eager_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict):
+    """PyTorch's reference implementation (it builds the scores), chosen on purpose on a CPU."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, **kwargs)
+    except NotImplementedError as e:  # PyTorch 2.13 has no flex backward on a CPU
+        if q.device.type != "cpu":
+            raise
+        raise ValueError(f"model.attention_backend flex on a CPU: {e}; use model.attention_backend auto or sdpa "
+                         "there") from None
