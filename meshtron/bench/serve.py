@@ -102,8 +102,8 @@ def summarize(name: str, timings: list[Timing], wall: float) -> dict[str, Any]:
 
 
 # --decode-attention choices (engine.decode_attention) and their row names; auto is the default engine
-DECODE_ATTENTION = ("auto", "gather", "compiled", "native")
-DECODE_SUFFIX = {"auto": "", "gather": " gather", "compiled": " compiled", "native": " native"}
+DECODE_ATTENTION = ("auto", "gather", "compiled", "native", "flex")
+DECODE_SUFFIX = {"auto": "", "gather": " gather", "compiled": " compiled", "native": " native", "flex": " flex"}
 
 
 def build_engine(model: GPTModel, args, max_num_seqs: int, cuda_graphs: bool = False, attention: str = "auto"):
@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="engine token budget per step")
     p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=list(DECODE_ATTENTION),
                    help="engine rows per engine.decode_attention: auto (the default engine: the native kernel on a "
-                        "CPU where it builds), gather (gather + SDPA), compiled, native")
+                        "CPU where it builds, FlexAttention over the paged cache on CUDA), gather (gather + SDPA), "
+                        "compiled, native, flex")
     p.add_argument("--naive-requests", type=int, default=None, help="run the naive loop on the first N only")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "naive", "decode"])
     p.add_argument("--pairs", type=int, default=3,
