@@ -19,8 +19,11 @@ reruns could not reproduce.
 Backends: by default the ranks see no GPU (CUDA_VISIBLE_DEVICES is emptied), so every test runs gloo
 on the CPU on any machine, as CI does. MESHTRON_TEST_BACKEND=nccl runs the same tests on a machine
 with at least as many GPUs as ranks: rank r gets cuda:r (LOCAL_RANK=r), the trainer's `auto` device
-picks CUDA and NCCL, and tests that start their own groups ask `rank_backend()`/`rank_device_type()`.
-With fewer GPUs, run_ranks skips the test under pytest (else raises BackendUnavailable), in one line.
+picks CUDA and NCCL, and tests that start their own groups or meshes ask `rank_backend()` /
+`rank_device_type()` and put their tensors on `rank_device()`. With fewer GPUs, run_ranks skips the
+test under pytest (else raises BackendUnavailable), in one line; tests that start ranks another way
+(torchrun) call `backend_env(world_size)` for the same check and environment.
+tests/parallel/test_harness_backends.py fails when a test under tests/ hard-codes gloo or a CPU mesh.
 """
 
 from __future__ import annotations
@@ -68,7 +71,14 @@ def rank_device_type() -> str:
     return "cuda" if rank_backend() == "nccl" else "cpu"
 
 
-def _backend_env(world_size: int) -> dict[str, str]:
+def rank_device():
+    """The device of this rank's tensors: the CPU under gloo, its own GPU (cuda:LOCAL_RANK) under nccl."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if rank_backend() == "nccl" else torch.device("cpu")
+
+
+def backend_env(world_size: int) -> dict[str, str]:
     """Environment of the launcher for the chosen backend; refuses NCCL without a GPU per rank."""
     if rank_backend() == "gloo":
         return {"CUDA_VISIBLE_DEVICES": ""}
@@ -104,7 +114,7 @@ def run_ranks(target: str, world_size: int, timeout_s: float = 120.0, env: dict[
     With allow_failures, a failed rank's entry is a RankError instead of raising RankFailure. A run in
     which a rank crashed natively is repeated once (see the module docstring).
     """
-    env = {**_backend_env(world_size), **(env or {})}
+    env = {**backend_env(world_size), **(env or {})}
     try:
         return _run_ranks_once(target, world_size, timeout_s, env, allow_failures, kwargs)
     except _NativeCrash as crash:

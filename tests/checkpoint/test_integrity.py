@@ -16,7 +16,7 @@ import torch
 
 from meshtron.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, read_checkpoint_config
 from meshtron.checkpoint.manager import step_dir_name
-from meshtron.testing.multiprocess import run_ranks
+from meshtron.testing.multiprocess import rank_backend, rank_device, run_ranks
 from tests.checkpoint.test_safe_loading import rewrite_manifest, small_model
 
 
@@ -246,6 +246,17 @@ def test_hf_index_link_out_is_refused_and_plain_index_reads(tmp_path):
 
 # ---- several ranks --------------------------------------------------------------------------------
 
+def rank_model():
+    """`small_model` on this rank's device (the GPU under MESHTRON_TEST_BACKEND=nccl)."""
+    torch.manual_seed(0)
+    device = rank_device()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4, device=device)).sum().backward()
+    opt.step()
+    return model, opt
+
+
 def save_on_ranks(rank: int, world_size: int, save_dir: str) -> list[str]:
     """Every rank saves its shards and hashes its own, and loads; then rank 1's shard is damaged and
     every rank loads again: all refuse alike, although each hashed only its share of the files."""
@@ -253,10 +264,10 @@ def save_on_ranks(rank: int, world_size: int, save_dir: str) -> list[str]:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=60))
     outcomes = []
     try:
-        model, opt = small_model()
+        model, opt = rank_model()
         CheckpointManager(save_dir, timeout_s=60).save(1, model, opt, {"step": 1}, "model: {}\n")
         for corrupt in (False, True):
             dist.barrier()
@@ -267,7 +278,7 @@ def save_on_ranks(rank: int, world_size: int, save_dir: str) -> list[str]:
                 shard.write_bytes(bytes(data))
             dist.barrier()
             try:
-                load_checkpoint(save_dir, *small_model())
+                load_checkpoint(save_dir, *rank_model())
                 outcomes.append("loaded")
             except CheckpointError as e:
                 outcomes.append(str(e))

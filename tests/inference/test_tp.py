@@ -1,4 +1,5 @@
-"""Tensor-parallel inference (the training TP plans, two gloo ranks) gives the single-process
+"""Tensor-parallel inference (the training TP plans, two ranks: gloo, or NCCL under
+MESHTRON_TEST_BACKEND=nccl) gives the single-process
 greedy tokens: every rank running the same engine (SPMD), and rank 0 leading with the other rank
 following its broadcast steps (how `meshtron serve` runs under torchrun), across a suspend/resume."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.testing.multiprocess import run_ranks
+from meshtron.testing.multiprocess import rank_backend, rank_device_type, run_ranks
 from tests.inference.helpers import save_tiny_checkpoint, workload
 
 ENGINE = dict(num_blocks=128, block_size=4, max_num_batched_tokens=16)
@@ -21,9 +22,9 @@ def _setup(world_size: int, checkpoint: str):
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    return LLMEngine.from_checkpoint(checkpoint, EngineConfig(device="cpu", **ENGINE), tp_mesh=mesh)
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=120))
+    mesh = init_device_mesh(rank_device_type(), (world_size,), mesh_dim_names=("tp",))
+    return LLMEngine.from_checkpoint(checkpoint, EngineConfig(device=rank_device_type(), **ENGINE), tp_mesh=mesh)
 
 
 def _params(max_tokens):
@@ -46,6 +47,7 @@ def leader_follower_rank(rank: int, world_size: int, checkpoint: str, prompts, m
     from meshtron.inference.tp_serving import Leader, follow, lead
 
     engine = _setup(world_size, checkpoint)
+    # test-backend: gloo by design, as `meshtron serve` makes it: the leader's step objects travel on the CPU
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     if rank != 0:
         follow(engine.runner, group)

@@ -1,6 +1,7 @@
 """TP serving when idle (issue 18, finding 11): followers wait for the leader's next request for longer
 than the group's timeout (the leader pings), and still run it; a leader that dies is noticed within
-the timeout. 2 gloo ranks, a 2 s timeout, 6 s idle."""
+the timeout. 2 ranks, a 2 s timeout, 6 s idle; the leader's objects travel on a gloo group, as in
+`meshtron serve`, whatever the default group's backend (MESHTRON_TEST_BACKEND)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from meshtron.testing.multiprocess import RankError, run_ranks
+from meshtron.testing.multiprocess import RankError, rank_backend, run_ranks
 
 
 class _Runner:
@@ -32,7 +33,8 @@ def idle_then_serve(rank: int, world_size: int, idle_s: float, group_timeout_s: 
 
     from meshtron.inference.tp_serving import Leader, follow
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=group_timeout_s))
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=group_timeout_s))
+    # test-backend: gloo by design, as `meshtron serve` makes it: the leader's step objects travel on the CPU
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=group_timeout_s))
     if rank != 0:
         runner = _Runner()

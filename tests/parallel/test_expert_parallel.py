@@ -1,4 +1,4 @@
-"""Expert parallelism. A MoE sublayer whose experts are split over 2 or 4 gloo ranks (all-to-all and
+"""Expert parallelism. A MoE sublayer whose experts are split over 2 or 4 ranks (all-to-all and
 all-gather dispatchers) gives every rank the outputs, input gradients and parameter gradients that one
 process computes for the same tokens with every expert local; dropless runs route every choice,
 capacity-limited runs drop the same choices. Whole training runs under EP (alone and with FSDP, TP,
@@ -20,7 +20,7 @@ from meshtron.config.schema import ModelConfig
 from meshtron.nn.moe import MoELayer
 from meshtron.nn.moe.routing_map import build_routing_map
 from meshtron.parallel.plan import estimate_memory
-from meshtron.testing.multiprocess import run_ranks
+from meshtron.testing.multiprocess import rank_backend, rank_device, rank_device_type, run_ranks
 from meshtron.training import Trainer
 from tests.nn.test_moe_syncs import count_host_reads
 
@@ -57,9 +57,9 @@ def layer_parity_cases(rank: int, world: int, cases: list[tuple[str, str, bool]]
     """`layer_parity` for each (variant, dispatcher, uneven) in one process group."""
     from meshtron.parallel.dims import backend_options
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("ep",),
-                                                          backend_override={"ep": backend_options("cpu", 60)})
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=60))
+    mesh = torch.distributed.device_mesh.init_device_mesh(
+        rank_device_type(), (world,), mesh_dim_names=("ep",), backend_override={"ep": backend_options(rank_device_type(), 60)})
     return [layer_parity(rank, world, mesh, *case) for case in cases]
 
 
@@ -91,6 +91,8 @@ def layer_parity(rank: int, world: int, mesh, variant: str, dispatcher: str, une
         ref_rows += int(routing.routing_map.sum())
         ref_dropped += int(routing.num_dropped)
 
+    device = rank_device()
+    layer.to(device)
     apply_ep(layer, mesh["ep"], dispatcher)
     seen = []
     dispatch = layer.dispatcher.dispatch
@@ -101,24 +103,25 @@ def layer_parity(rank: int, world: int, mesh, variant: str, dispatcher: str, une
         return rows, tokens_per_expert, handle
 
     layer.dispatcher.dispatch = counting
-    x, w = rank_tokens(rank, uneven)
+    x, w = (t.to(device) for t in rank_tokens(rank, uneven))
     x.requires_grad_(True)
     with count_host_reads() as reads:
         y = layer(x)
         (y * w).sum().backward()
 
-    errors = {"output": (y - ref_out[rank]).abs().max().item(), "input_grad": (x.grad - ref_grad[rank]).abs().max().item()}
+    errors = {"output": (y.cpu() - ref_out[rank]).abs().max().item(),
+              "input_grad": (x.grad.cpu() - ref_grad[rank]).abs().max().item()}
     local = EXPERTS // world
     mine = slice(rank * local, (rank + 1) * local)
     for name, p in layer.experts.named_parameters():
         ref_p = dict(reference.experts.named_parameters())[name]
         assert tuple(p.to_local().shape) == (local, *ref_p.shape[1:])
-        errors[f"experts.{name}"] = (p.grad.to_local() - ref_p.grad[mine]).abs().max().item()
+        errors[f"experts.{name}"] = (p.grad.to_local().cpu() - ref_p.grad[mine]).abs().max().item()
     for name, p in layer.named_parameters():
         if not name.startswith("experts."):
             grad = p.grad.clone()
             dist.all_reduce(grad)  # replicated parameters: each rank holds its own tokens' share
-            errors[name] = (grad - dict(reference.named_parameters())[name].grad).abs().max().item()
+            errors[name] = (grad.cpu() - dict(reference.named_parameters())[name].grad).abs().max().item()
     rows = seen[0].clone()
     dist.all_reduce(rows)
     return {"errors": errors, "rows": int(rows), "ref_rows": ref_rows, "ref_dropped": ref_dropped, "reads": reads,
@@ -209,7 +212,7 @@ def train_recording(rank: int, world: int, overrides: dict[str, str]) -> dict:
         def recording(tokens, probs, routing_map, dispatch=layer.dispatcher.dispatch, name=name, counter=counter):
             if torch.is_grad_enabled():
                 step, j = divmod(counter[0], per_rank)
-                maps[(step, dp_rank * per_rank + j, name)] = routing_map.detach().clone()
+                maps[(step, dp_rank * per_rank + j, name)] = routing_map.detach().to("cpu", copy=True)
                 counter[0] += 1
             return dispatch(tokens, probs, routing_map)
 

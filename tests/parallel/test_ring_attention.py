@@ -1,4 +1,4 @@
-"""Ring attention over 2 and 4 gloo ranks equals full single-process attention (attention_core.attend):
+"""Ring attention over 2 and 4 ranks (gloo, or NCCL under MESHTRON_TEST_BACKEND=nccl) equals full single-process attention (attention_core.attend):
 outputs and q/k/v (and sink) gradients, fp32, for causal, zig-zag vs contiguous sharding, sliding
 windows, packed documents, sinks, grouped-query heads and a value width unlike the key width, through
 the fused kernels (also with masks cut into tiles) and through the plain fp32 math. Memory: no tensor
@@ -22,7 +22,7 @@ from meshtron.nn.context import PackedContext
 from meshtron.parallel.context_parallel import ContextParallel, cp_segments, global_indices
 from meshtron.parallel.dims import backend_options
 from meshtron.parallel.ring_attention import RingLayout, ring_attention
-from meshtron.testing.multiprocess import run_ranks
+from meshtron.testing.multiprocess import rank_backend, rank_device, rank_device_type, run_ranks
 
 SEQ, BATCH = 32, 2
 
@@ -75,43 +75,45 @@ def reference(case, seed: int, dtype=torch.float32, seq: int = SEQ):
 
 def max_error(value: torch.Tensor, ref: torch.Tensor, relative: bool) -> float:
     """Max abs difference, relative to the reference's largest magnitude when `relative`."""
-    err = (value.float() - ref.float()).abs().max().item()
-    return err / ref.float().abs().max().item() if relative else err
+    value, ref = value.float().cpu(), ref.float().cpu()
+    err = (value - ref).abs().max().item()
+    return err / ref.abs().max().item() if relative else err
 
 
 def run_case(cp, case, seed: int, dtype=torch.float32, **layout) -> dict[str, float]:
     """Max abs errors of this rank's shard against the reference; `layout`: RingLayout fields to set
     (kernels, mask_tile)."""
     inputs, sink, doc_ids, d_out, ref_out, ref_grads, ref_ctx = reference(case, seed, dtype)
+    device = rank_device()
     cp.load_balance = case[0]
     idx = global_indices(cp.segments(SEQ)[cp.rank], torch.device("cpu"))
-    mb = {"input_ids": torch.zeros(BATCH, SEQ, dtype=torch.long)}
+    mb = {"input_ids": torch.zeros(BATCH, SEQ, dtype=torch.long, device=device)}
     if doc_ids is not None:
-        mb["document_ids"] = doc_ids
+        mb["document_ids"] = doc_ids.to(device)
     ctx = cp.context(cp.shard_batch(mb))
     for name, value in layout.items():
         setattr(ctx.layout, name, value)
-    local = [t.detach()[:, :, idx].clone().requires_grad_() for t in inputs]
-    local_sink = sink.clone().requires_grad_() if sink is not None else None
+    local = [t.detach()[:, :, idx].to(device).requires_grad_() for t in inputs]
+    local_sink = sink.to(device).requires_grad_() if sink is not None else None
     out = ctx.attend(*local, scale=0.3, window_size=case[3], sink_logits=local_sink)
-    out.float().backward(d_out[:, :, idx].to(out.dtype))
+    out.float().backward(d_out[:, :, idx].to(device, out.dtype))
     errors = {"out": max_error(out, ref_out[:, :, idx], relative=dtype != torch.float32)}
     for name, t, ref in zip(("dq", "dk", "dv"), local, ref_grads):
         errors[name] = max_error(t.grad, ref[:, :, idx], relative=dtype != torch.float32)
     if local_sink is not None:  # each rank holds the sink gradient of its own query rows: sum over cp
         total = local_sink.grad.clone()
         dist.all_reduce(total, group=cp.group)
-        errors["dsink"] = (total - ref_grads[3]).abs().max().item()
-    mask = ctx.attention_mask(case[3])  # the global-key mask of these queries, for non-ring callers
+        errors["dsink"] = (total.cpu() - ref_grads[3]).abs().max().item()
+    mask = ctx.attention_mask(case[3]).cpu()  # the global-key mask of these queries, for non-ring callers
     errors["mask"] = float((mask != ref_ctx.attention_mask(case[3])[:, :, idx]).sum())
-    errors["positions"] = float((ctx.positions != idx).sum())
+    errors["positions"] = float((ctx.positions.cpu() != idx).sum())
     return errors
 
 
 def ring_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",),
-                            backend_override={"cp": backend_options("cpu", 60)})
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=60))
+    mesh = init_device_mesh(rank_device_type(), (world_size,), mesh_dim_names=("cp",),
+                            backend_override={"cp": backend_options(rank_device_type(), 60)})
     cp = ContextParallel(mesh["cp"])
     results = {name: run_case(cp, case, seed=i) for i, (name, case) in enumerate(CASES.items())}
     results["bf16"] = run_case(cp, CASES["everything"], seed=99, dtype=torch.bfloat16)
@@ -120,8 +122,8 @@ def ring_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     results["tiles_documents"] = run_case(cp, CASES["documents_window_contiguous"], seed=8, mask_tile=5)
     results["math_everything"] = run_case(cp, CASES["everything"], seed=9, kernels=False)
     try:
-        cp.context({"input_ids": torch.zeros(1, 8, dtype=torch.long)}).attend(
-            *(torch.zeros(1, 2, 8, 4) for _ in range(3)), scale=1.0, dropout=0.1)
+        cp.context({"input_ids": torch.zeros(1, 8, dtype=torch.long, device=rank_device())}).attend(
+            *(torch.zeros(1, 2, 8, 4, device=rank_device()) for _ in range(3)), scale=1.0, dropout=0.1)
         results["dropout_error"] = "no error"
     except ValueError as e:
         results["dropout_error"] = str(e)

@@ -1,7 +1,8 @@
-"""The watchdog's side of hangs under NCCL (issue 18, finding 10), on 2 gloo ranks: heartbeats cost the
-training thread no store round trip (its own thread publishes them), and the early report — made
-while NCCL's watchdog would still be waiting, since at its timeout NCCL ends the process before the
-trainer's report can run — names the rank behind the others and where every rank was."""
+"""The watchdog's side of hangs under NCCL (issue 18, finding 10), on 2 ranks (gloo, or NCCL under
+MESHTRON_TEST_BACKEND=nccl): heartbeats cost the training thread no store round trip (its own thread
+publishes them), and the early report — made while NCCL's watchdog would still be waiting, since at
+its timeout NCCL ends the process before the trainer's report can run — names the rank behind the
+others and where every rank was."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import time
 from datetime import timedelta
 
-from meshtron.testing.multiprocess import run_ranks
+from meshtron.testing.multiprocess import rank_backend, run_ranks
 
 
 class _RecordingStore:
@@ -34,7 +35,7 @@ def stalled_rank(rank: int, world_size: int, run_dir: str) -> dict:
 
     from meshtron.parallel.watchdog import Watchdog
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=60))
     watchdog = Watchdog(run_dir, timeout_s=30, poll_s=0.1, report_after_s=1.0)
     watchdog.store = store = _RecordingStore(watchdog.store)
     with watchdog.activity("training step", 1):

@@ -2,7 +2,7 @@
 newest checkpoint otherwise, so the same command can be run again by a cluster (train and rl); the
 ranks refuse to start when they see different checkpoints; misuse is one config line.
 
-Slow: 4 gloo ranks as 2 simulated nodes (two torchrun launchers on 127.0.0.1, c10d rendezvous), one
+Slow: 4 ranks (gloo; NCCL with a GPU each under MESHTRON_TEST_BACKEND=nccl) as 2 simulated nodes (two torchrun launchers on 127.0.0.1, c10d rendezvous), one
 rank SIGKILLed between two saves. With --max-restarts 1 the job resumes and logs the uninterrupted
 run's losses bit for bit; without restarts every launcher exits non-zero with the watchdog's report
 naming the killed rank.
@@ -24,7 +24,7 @@ from meshtron.checkpoint import CheckpointError
 from meshtron.cli import main
 from meshtron.config import ConfigError
 from meshtron.parallel.distributed import check_restartable
-from meshtron.testing.multiprocess import free_port, run_ranks
+from meshtron.testing.multiprocess import backend_env, free_port, rank_backend, rank_device, rank_device_type, run_ranks
 from meshtron.training import Trainer
 from meshtron.training.resume import NOTHING, UNREADABLE, find_resume_point
 
@@ -111,16 +111,15 @@ def agreed_resume_point(rank: int, world_size: int, roots: list[str]) -> str:
     """Each rank resolves `load: auto` against its own view (`roots[rank]`) of the save directory."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     from meshtron.config import load_config
     from meshtron.training.resume import resolve_load
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=30))
     cfg = load_config(overrides={"checkpoint.load": "auto", "checkpoint.save": roots[rank]})
     try:
-        return str(resolve_load(cfg, torch.device("cpu")))
+        return str(resolve_load(cfg, rank_device()))
     except CheckpointError as e:
         return f"error: {e}"
 
@@ -170,7 +169,7 @@ TORCHRUN_FLAGS = {
     "model.num_query_groups": "2", "model.ffn_hidden_size": "64", "model.max_position_embeddings": "64",
     "model.make_vocab_size_divisible_by": "128", "data.seq_length": "32", "train.micro_batch_size": "2",
     "train.global_batch_size": "8", "train.train_iters": "6", "train.eval_interval": "0",
-    "train.peak_flops": "1e11", "train.num_threads": "1", "train.device": "cpu", "logger.progress_bar": "off",
+    "train.peak_flops": "1e11", "train.num_threads": "1", "logger.progress_bar": "off",
     "logger.log_interval": "1", "scheduler.warmup_steps": "2", "checkpoint.save_interval": "2",
     "checkpoint.save_at_end": "false", "checkpoint.load": "auto", "parallel.timeout_s": "20",
 }
@@ -194,13 +193,21 @@ def launch_two_nodes(run_dir: Path, max_restarts: int, kill: str = "",
     launcher hosts the rendezvous and, its address sorting first, is node 0 (ranks 0 and 1; rank 0
     hosts the ranks' store), so a killed rank 2 or 3 takes no store with it. `kill`: the
     MESHTRON_TEST_KILL hook. `share_store`: leave torchrun's agent store shared with the ranks."""
+    backend = backend_env(4)  # gloo: no GPU visible; nccl: skipped without 4 GPUs
+    gpus = []
+    if rank_backend() == "nccl":
+        import torch
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     port = free_port()
-    flags = [token for k, v in TORCHRUN_FLAGS.items() for token in (f"--{k}", v)]
+    flags = [token for k, v in {**TORCHRUN_FLAGS, "train.device": rank_device_type()}.items()
+             for token in (f"--{k}", v)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
            str(WORKER), "train", *flags, "--train.run_dir", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, **backend, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if share_store else "1", "MESHTRON_TEST_KILL": kill}
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = [run_dir / f"launcher{i}.log" for i in range(2)]
@@ -210,7 +217,9 @@ def launch_two_nodes(run_dir: Path, max_restarts: int, kill: str = "",
             with open(log, "w") as out:
                 # the rendezvous orders nodes by address: 127.0.0.1 is node 0, 127.0.0.2 node 1
                 node_cmd = [*cmd[:3], "--local-addr", f"127.0.0.{i + 1}", *cmd[3:]]
-                procs.append(subprocess.Popen(node_cmd, cwd=ROOT, env=env, stdout=out,
+                # each simulated node sees its own two GPUs under NCCL (LOCAL_RANK 0 and 1 on both nodes)
+                node_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus[2 * i:2 * i + 2])} if gpus else env
+                procs.append(subprocess.Popen(node_cmd, cwd=ROOT, env=node_env, stdout=out,
                                               stderr=subprocess.STDOUT, start_new_session=True))
             if i == 0:
                 _wait_listening(port, procs[0])
