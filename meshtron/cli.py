@@ -230,10 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     else:
-        register_convert_commands(sub)
         from meshtron.models.megatron.commands import register as register_megatron_commands
 
-        register_megatron_commands(sub)
+        register_megatron_commands(register_convert_commands(sub))
     from meshtron.rl.commands import register as register_rl_command
 
     register_rl_command(sub)

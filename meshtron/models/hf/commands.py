@@ -62,9 +62,10 @@ def cmd_meshtron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    """Add `convert hf-to-meshtron` and `convert meshtron-to-hf` to an argparse subparsers object."""
-    convert = subparsers.add_parser("convert", help="convert checkpoints to and from Hugging Face safetensors")
+def register(subparsers):
+    """Add `convert hf-to-meshtron` and `convert meshtron-to-hf` to an argparse subparsers object; return the
+    `convert` group's own subparsers, where other converters (models.megatron.commands) add their verbs."""
+    convert = subparsers.add_parser("convert", help="convert checkpoints to and from Hugging Face safetensors and Megatron torch_dist")
     # nested parsers of the same class, so usage errors stay one line like the rest of the CLI
     convert_sub = convert.add_subparsers(dest="convert_command", required=True, parser_class=type(convert))
 
@@ -84,3 +85,4 @@ def register(subparsers) -> None:
     to_hf.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
                        help="largest shard, e.g. 5GB or 500MB (default 5GB)")
     to_hf.set_defaults(func=cmd_meshtron_to_hf)
+    return convert_sub

@@ -4,7 +4,7 @@
     meshtron convert meshtron-to-megatron --checkpoint CKPT --output DIR
     meshtron convert megatron-docs [--output docs/megatron.md] [--check]
 
-`register(subparsers)` adds them to the `convert` group the Hugging Face verbs create. A checkpoint
+`register(convert_sub)` adds them to the `convert` group the Hugging Face verbs create. A checkpoint
 that cannot be converted prints one line to stderr and returns 2, leaving no output behind.
 """
 
@@ -84,10 +84,8 @@ def cmd_megatron_docs(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    """Add the Megatron verbs to the `convert` parser of `subparsers` (created by models.hf.commands)."""
-    convert = subparsers.choices["convert"]
-    convert_sub = next(a for a in convert._actions if isinstance(a, type(subparsers)))
+def register(convert_sub) -> None:
+    """Add the Megatron verbs to the subparsers of the `convert` group (models.hf.commands.register returns it)."""
 
     to_ours = convert_sub.add_parser("megatron-to-meshtron", help="a Megatron Core torch_dist checkpoint -> a meshtron "
                                      "checkpoint (docs/megatron.md)")
