@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +112,36 @@ def load_common_state(blob: bytes, where: str) -> dict[str, Any]:
     return state
 
 
+class _FileRange(io.RawIOBase):
+    """Bytes [begin, begin + length) of an open file as a seekable file of their own, so torch.load reads a
+    chunk's tensor data straight into the tensor (no second copy of the chunk in a bytes buffer)."""
+
+    def __init__(self, f, begin: int, length: int):
+        super().__init__()
+        self._f, self._begin, self._length, self._pos = f, begin, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        self._f.seek(self._begin + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+
 @dataclass
 class _Chunk:
     offsets: tuple[int, ...]
@@ -171,7 +202,11 @@ class MegatronCheckpoint:
             if layer is not None and not lo <= layer < lo + chunk.sizes[0]:
                 continue
             try:
-                data = torch.load(io.BytesIO(self._read_bytes(chunk)), weights_only=True, map_location="cpu")
+                with open(self.path / chunk.file, "rb") as f:
+                    if chunk.begin + chunk.length > os.fstat(f.fileno()).st_size:
+                        raise MegatronError(f"{str(self.path / chunk.file)!r} is truncated")
+                    data = torch.load(io.BufferedReader(_FileRange(f, chunk.begin, chunk.length)), weights_only=True,
+                                      map_location="cpu")
             except MegatronError:
                 raise
             except Exception as e:
