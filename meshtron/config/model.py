@@ -38,8 +38,8 @@ class ModelConfig:
     rotary_base: float = option(10000.0, "RoPE theta")
     rotary_percent: float = option(1.0, "Fraction of each head's dimensions that RoPE rotates (the first ones)")
     rotary_interleaved: bool = option(False, "RoPE rotates adjacent pairs (x0,x1),(x2,x3).. instead of the two halves")
-    rope_scaling: bool = option(False, "Llama-3 frequency scaling of RoPE (position_embedding_type rope)")
-    rope_scaling_factor: float = option(8.0, "Llama-3 scaling: divide the low frequencies by this")
+    rope_scaling: bool = option(False, "Frequency scaling of RoPE, Llama-3 or linear (rope_scaling_type; position_embedding_type rope)")
+    rope_scaling_factor: float = option(8.0, "RoPE scaling: Llama-3 divides the low frequencies by this, linear all of them")
     rope_scaling_low_freq_factor: float = option(1.0, "Llama-3 scaling: wavelengths above original/low are scaled")
     rope_scaling_high_freq_factor: float = option(4.0, "Llama-3 scaling: wavelengths below original/high are kept")
     rope_scaling_original_max_position_embeddings: int = option(8192, "Llama-3 scaling: pre-training context length")
@@ -57,7 +57,8 @@ class ModelConfig:
     activation_func_clamp_value: Optional[float] = option(
         None, "Gated MLPs: clamp the gate to <= c and the linear branch to [-c, c] (GPT-OSS uses 7.0)")
     glu_linear_offset: float = option(0.0, "Gated MLPs: act(gate) * (linear + offset) (GPT-OSS uses 1.0)")
-    add_bias_linear: bool = option(False, "Biases in the attention output and MLP linear layers")
+    add_bias_linear: bool = option(False, "Biases in the MLP linear layers (and the attention output unless "
+                                          "add_bias_attention_output says otherwise)")
     add_qkv_bias: bool = option(False, "Biases in the query/key/value projection")
     qk_layernorm: bool = option(False, "Normalise each query and key head (model.normalization) before RoPE")
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = option(
@@ -140,6 +141,12 @@ class ModelConfig:
     attention_backend: Literal["auto", "sdpa", "flex"] = option(
         "auto", "Full-sequence attention kernel: auto (FlexAttention on CUDA for documents, windows or sinks "
                 "without attention dropout; SDPA otherwise and on a CPU), sdpa, flex (docs/models.md)")
+    rope_scaling_type: Literal["llama3", "linear"] = option(
+        "llama3", "With rope_scaling: llama3 (frequency bands) or linear (every frequency divided by "
+                  "rope_scaling_factor: position interpolation)")
+    add_bias_attention_output: Optional[bool] = option(
+        None, "Bias in the attention output projection; null follows add_bias_linear (Qwen3/Llama attention_bias "
+              "without MLP biases: true here, add_bias_linear false)")
 
     @property
     def pattern(self) -> str:
@@ -187,6 +194,11 @@ class ModelConfig:
     def num_transformer_layers(self) -> int:
         """Depth used by scaled init: the number of sequence mixers, attention and Mamba (at least 1)."""
         return max(1, self.pattern.count("*") + self.pattern.count("M"))
+
+    @property
+    def attention_output_bias(self) -> bool:
+        """Whether the attention output projection has a bias (add_bias_attention_output, else add_bias_linear)."""
+        return self.add_bias_linear if self.add_bias_attention_output is None else self.add_bias_attention_output
 
     @property
     def uses_rope(self) -> bool:
@@ -281,9 +293,10 @@ class ModelConfig:
             check(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0, field, self.rotary_dim,
                   "RoPE needs an even number (>= 2) of rotated dimensions per head")
         check(not self.rope_scaling or self.position_embedding_type == "rope", "model.rope_scaling", self.rope_scaling,
-              "Llama-3 scaling needs position_embedding_type rope (YaRN is position_embedding_type yarn)")
+              "Llama-3 and linear scaling need position_embedding_type rope (YaRN is position_embedding_type yarn)")
         if self.rope_scaling:
             check(self.rope_scaling_factor > 0, "model.rope_scaling_factor", self.rope_scaling_factor, "must be > 0")
+        if self.rope_scaling and self.rope_scaling_type == "llama3":
             check(self.rope_scaling_high_freq_factor > self.rope_scaling_low_freq_factor > 0,
                   "model.rope_scaling_high_freq_factor", self.rope_scaling_high_freq_factor,
                   f"must be > rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} > 0")

@@ -1,6 +1,9 @@
-"""RoPE frequency scaling for long contexts: Llama-3 and YaRN, and the RoPE module a config asks for.
+"""RoPE frequency scaling for long contexts: linear, Llama-3 and YaRN, and the RoPE module a config asks for.
 
 With inv_freq_i = theta^(-2i/d) and wavelength lambda_i = 2 pi / inv_freq_i:
+
+Linear (position interpolation, factor s; model.rope_scaling_type linear): inv_freq_i / s, i.e. position
+p rotates as p / s did.
 
 Llama-3 (factor s, low/high frequency factors l/h, original context L):
     lambda_i < L/h        -> inv_freq_i                 (high frequencies are kept)
@@ -16,6 +19,10 @@ With the ramp g_i = clip((i - lo) / (hi - lo), 0, 1):
 so fast pairs (i < lo) keep their frequency and slow ones (i > hi) are interpolated. cos and sin are
 multiplied by mscale(s, m) / mscale(s, m_all) with mscale(s, m) = 0.1 m ln s + 1 (1 when s <= 1);
 multi-latent attention also multiplies its softmax scale by mscale(s, m_all)^2.
+
+Every rule runs in float32 with the operations in the order transformers' rotary init functions and
+Megatron-LM use (they agree bit for bit), so a converted model rotates exactly as its source does, also
+at positions near the end of a long context where one ulp of a frequency becomes a visible angle.
 """
 
 from __future__ import annotations
@@ -60,14 +67,16 @@ def yarn_correction_range(rotary_dim: int, base: float, original_max_position_em
 
 def yarn_inv_freq(rotary_dim: int, base: float, factor: float, original_max_position_embeddings: int,
                   beta_fast: float, beta_slow: float, round_to_int: bool) -> torch.Tensor:
-    extrapolated = default_inv_freq(rotary_dim, base)
-    interpolated = extrapolated / factor
+    powers = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)  # theta^(2i/d)
+    extrapolated = 1.0 / powers
+    interpolated = 1.0 / (factor * powers)
     low, high = yarn_correction_range(rotary_dim, base, original_max_position_embeddings, beta_fast, beta_slow,
                                       round_to_int)
     if low == high:
         high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return interpolated * ramp + extrapolated * (1 - ramp)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of the extrapolated frequency (1 - (1 - g) is not always g in float32)
+    return interpolated * (1 - kept) + extrapolated * kept
 
 
 def yarn_attention_factor(cfg: ModelConfig) -> float:
@@ -77,17 +86,19 @@ def yarn_attention_factor(cfg: ModelConfig) -> float:
 
 
 def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The (possibly scaled) inverse frequencies of `cfg`, float64, one per rotated pair."""
+    """The (possibly scaled) inverse frequencies of `cfg`, float32, one per rotated pair."""
     dim = cfg.rotary_dim
     if cfg.position_embedding_type == "yarn":
         return yarn_inv_freq(dim, cfg.rotary_base, cfg.yarn_rotary_scaling_factor,
                              cfg.yarn_original_max_position_embeddings, cfg.yarn_beta_fast, cfg.yarn_beta_slow,
                              cfg.correction_range_round_to_int)
     inv_freq = default_inv_freq(dim, cfg.rotary_base)
-    if cfg.rope_scaling:
-        inv_freq = llama3_inv_freq(inv_freq, cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor,
-                                   cfg.rope_scaling_high_freq_factor, cfg.rope_scaling_original_max_position_embeddings)
-    return inv_freq
+    if not cfg.rope_scaling:
+        return inv_freq
+    if cfg.rope_scaling_type == "linear":
+        return inv_freq / cfg.rope_scaling_factor
+    return llama3_inv_freq(inv_freq, cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor,
+                           cfg.rope_scaling_high_freq_factor, cfg.rope_scaling_original_max_position_embeddings)
 
 
 def build_rotary(cfg: ModelConfig) -> Optional[RotaryEmbedding]:
