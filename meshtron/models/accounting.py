@@ -47,7 +47,7 @@ def attention_params(cfg: ModelConfig) -> int:
             total += (h + 2 * cfg.num_kv_heads) * cfg.head_dim
         if cfg.qk_layernorm:
             total += 2 * _norm(cfg, cfg.head_dim)
-    if cfg.add_bias_linear:
+    if cfg.attention_output_bias:
         total += d
     if cfg.softmax_type == "learnable":
         total += h

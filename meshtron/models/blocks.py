@@ -22,7 +22,7 @@ from meshtron.nn.rope_scaling import attention_softmax_scale
 
 def build_attention(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
     """`layer_id` keys the KV cache; `window_size` is this layer's window (None: full attention)."""
-    common = dict(layer_id=layer_id, qkv_bias=cfg.add_qkv_bias, out_bias=cfg.add_bias_linear,
+    common = dict(layer_id=layer_id, qkv_bias=cfg.add_qkv_bias, out_bias=cfg.attention_output_bias,
                   dropout=cfg.attention_dropout, softmax_type=cfg.softmax_type, window_size=window_size,
                   rotary_interleaved=cfg.rotary_interleaved, norm_eps=cfg.norm_epsilon,
                   attention_backend=cfg.attention_backend)

@@ -153,7 +153,7 @@ def guess_family(cfg: ModelConfig) -> FamilyAdapter:
         return table["gpt2"]
     if cfg.qk_layernorm:
         return table["qwen3"]
-    if cfg.add_qkv_bias and not cfg.add_bias_linear:
+    if cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.attention_output_bias:
         return table["qwen2"]
     if cfg.window_size is not None:
         mixed = any(not cfg.is_window_layer(i) for i in range(cfg.pattern.count("*")))

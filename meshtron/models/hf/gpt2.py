@@ -56,8 +56,9 @@ class GPT2Adapter:
         require(cfg.normalization == "LayerNorm", "normalization", cfg.normalization, target, "it uses LayerNorm")
         require(cfg.activation in ACTIVATION_NAMES, "activation", cfg.activation, target,
                 f"it uses a plain MLP: {', '.join(ACTIVATION_NAMES)}")
-        require(cfg.add_bias_linear and cfg.add_qkv_bias, "add_bias_linear", cfg.add_bias_linear, target,
-                "every GPT-2 linear layer has a bias (add_bias_linear and add_qkv_bias true)")
+        require(cfg.add_bias_linear and cfg.add_qkv_bias and cfg.attention_output_bias, "add_bias_linear",
+                cfg.add_bias_linear, target, "every GPT-2 linear layer has a bias (add_bias_linear and add_qkv_bias "
+                "true, add_bias_attention_output true or null)")
         require(cfg.num_kv_heads == cfg.num_attention_heads and not cfg.multi_latent_attention, "num_query_groups",
                 cfg.num_query_groups, target, "it has one key/value head per query head")
         require(cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size, "kv_channels", cfg.kv_channels, target,

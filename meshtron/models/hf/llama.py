@@ -28,7 +28,8 @@ ACTIVATION_NAMES = {v: k for k, v in GATED_ACTIVATIONS.items()}
 class LlamaLikeAdapter:
     name: str
     architecture: str
-    bias_style: str               # "llama": attention_bias/mlp_bias; "qwen2": fixed q/k/v bias; "qwen3"/"none"
+    bias_style: str               # "llama": attention_bias/mlp_bias; "qwen2": fixed q/k/v bias;
+    #                               "qwen3": attention_bias (q/k/v and output), never an MLP bias; "none"
     qk_norm: bool = False
     window_style: Optional[str] = None  # "all" (Mistral), "layer_types" (Qwen) or None (no windows)
 
@@ -39,7 +40,6 @@ class LlamaLikeAdapter:
         head_dim = hf.get("head_dim") or d // heads
         act = hf.get("hidden_act", "silu")
         hf_require(act in GATED_ACTIVATIONS, "hidden_act", act, self.name, f"use one of {sorted(GATED_ACTIVATIONS)}")
-        qkv_bias, out_bias = self._read_biases(hf)
         fields: dict[str, Any] = dict(
             num_layers=hf["num_hidden_layers"], hidden_size=d, num_attention_heads=heads,
             num_query_groups=hf.get("num_key_value_heads") or heads,
@@ -47,23 +47,21 @@ class LlamaLikeAdapter:
             ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1,
             max_position_embeddings=hf["max_position_embeddings"], normalization="RMSNorm",
             norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation=GATED_ACTIVATIONS[act],
-            add_qkv_bias=qkv_bias, add_bias_linear=out_bias, qk_layernorm=self.qk_norm,
+            qk_layernorm=self.qk_norm, **self._read_biases(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_dropout=float(hf.get("attention_dropout", 0.0)),
             **read_rope(hf, self.name), **self._read_window(hf))
         return ModelConfig(**fields)
 
-    def _read_biases(self, hf: dict[str, Any]) -> tuple[bool, bool]:
+    def _read_biases(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig bias fields; add_bias_attention_output is set only where it differs from the MLP's."""
         if self.bias_style == "qwen2":
-            return True, False
+            return {"add_qkv_bias": True}
         if self.bias_style == "none":
-            return False, False
+            return {}
         attn = bool(hf.get("attention_bias", False))
         mlp = bool(hf.get("mlp_bias", False)) if self.bias_style == "llama" else False
-        # meshtron has q/k/v biases and one switch for the attention-output and MLP biases together
-        hf_require(attn == mlp, "attention_bias", attn, self.name,
-                   "meshtron ties the attention-output bias to the MLP biases; attention_bias must equal mlp_bias")
-        return attn, attn
+        return {"add_qkv_bias": attn, "add_bias_linear": mlp, "add_bias_attention_output": None if attn == mlp else attn}
 
     def _read_window(self, hf: dict[str, Any]) -> dict[str, Any]:
         if self.window_style == "all":
@@ -113,18 +111,22 @@ class LlamaLikeAdapter:
         return hf
 
     def _write_biases(self, cfg: ModelConfig, target: str) -> dict[str, Any]:
+        out = cfg.attention_output_bias
         if self.bias_style == "qwen2":
-            require(cfg.add_qkv_bias and not cfg.add_bias_linear, "add_qkv_bias", cfg.add_qkv_bias, target,
-                    "Qwen2 has q/k/v biases and no other (add_qkv_bias true, add_bias_linear false)")
+            require(cfg.add_qkv_bias and not out and not cfg.add_bias_linear, "add_qkv_bias", cfg.add_qkv_bias, target,
+                    "Qwen2 has q/k/v biases and no other (add_qkv_bias true, add_bias_linear and "
+                    "add_bias_attention_output false)")
             return {}
         if self.bias_style == "none":
-            require(not cfg.add_qkv_bias and not cfg.add_bias_linear, "add_qkv_bias", cfg.add_qkv_bias, target,
-                    "it has no biases")
+            require(not cfg.add_qkv_bias and not out and not cfg.add_bias_linear, "add_qkv_bias", cfg.add_qkv_bias,
+                    target, "it has no biases")
             return {}
-        require(cfg.add_qkv_bias == cfg.add_bias_linear, "add_qkv_bias", cfg.add_qkv_bias, target,
-                "attention_bias covers q/k/v and the output together; set add_bias_linear to the same value")
+        require(cfg.add_qkv_bias == out, "add_bias_attention_output", cfg.add_bias_attention_output, target,
+                f"attention_bias covers q/k/v and the output together; set it to add_qkv_bias={cfg.add_qkv_bias}")
         if self.bias_style == "llama":
             return {"attention_bias": cfg.add_qkv_bias, "mlp_bias": cfg.add_bias_linear}
+        require(not cfg.add_bias_linear, "add_bias_linear", cfg.add_bias_linear, target,
+                "its MLP has no biases (attention biases: add_qkv_bias and add_bias_attention_output)")
         return {"attention_bias": cfg.add_qkv_bias}
 
     def _write_window(self, cfg: ModelConfig, target: str, n: int) -> dict[str, Any]:
@@ -151,7 +153,7 @@ class LlamaLikeAdapter:
             p = f"model.layers.{i}"
             maps.append(TensorMap(f"{p}.input_layernorm.weight", (f"{a}.norm.weight",)))
             for hf_proj, ours, bias in (("q_proj", "wq", cfg.add_qkv_bias), ("k_proj", "wk", cfg.add_qkv_bias),
-                                        ("v_proj", "wv", cfg.add_qkv_bias), ("o_proj", "wo", cfg.add_bias_linear)):
+                                        ("v_proj", "wv", cfg.add_qkv_bias), ("o_proj", "wo", cfg.attention_output_bias)):
                 maps.append(TensorMap(f"{p}.self_attn.{hf_proj}.weight", (f"{a}.mixer.{ours}.weight",)))
                 if bias:
                     maps.append(TensorMap(f"{p}.self_attn.{hf_proj}.bias", (f"{a}.mixer.{ours}.bias",)))

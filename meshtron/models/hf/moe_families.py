@@ -145,9 +145,10 @@ class GptOssAdapter(LlamaLikeAdapter):
     YaRN; every layer MoE: router with a bias, top-k of the logits then softmax, experts with biases and
     the clamped GLU (up + 1) * gate * sigmoid(1.702 gate) (meshtron's quick_geglu, clamp, offset 1)."""
 
-    def _read_biases(self, hf: dict[str, Any]) -> tuple[bool, bool]:
-        bias = bool(hf.get("attention_bias", True))
-        return bias, bias
+    def _read_biases(self, hf: dict[str, Any]) -> dict[str, Any]:
+        # the experts always have biases; attention_bias is q/k/v and the output's
+        attn = bool(hf.get("attention_bias", True))
+        return {"add_qkv_bias": attn, "add_bias_linear": True, "add_bias_attention_output": None if attn else False}
 
     def _read_window(self, hf: dict[str, Any]) -> dict[str, Any]:
         types = hf.get("layer_types") or []
@@ -157,9 +158,11 @@ class GptOssAdapter(LlamaLikeAdapter):
         return {"window_size": int(hf["sliding_window"]), "window_attn_skip_freq": None if all(flags) else flags}
 
     def _write_biases(self, cfg: ModelConfig, target: str) -> dict[str, Any]:
-        require(cfg.add_qkv_bias and cfg.add_bias_linear, "add_bias_linear", cfg.add_bias_linear, target,
-                "GPT-OSS has biases in attention and experts (add_qkv_bias and add_bias_linear true)")
-        return {"attention_bias": True}
+        require(cfg.add_bias_linear, "add_bias_linear", cfg.add_bias_linear, target, "GPT-OSS experts have biases")
+        require(cfg.add_qkv_bias == cfg.attention_output_bias, "add_bias_attention_output",
+                cfg.add_bias_attention_output, target,
+                f"attention_bias covers q/k/v and the output together; set it to add_qkv_bias={cfg.add_qkv_bias}")
+        return {"attention_bias": cfg.add_qkv_bias}
 
     def _write_window(self, cfg: ModelConfig, target: str, n: int) -> dict[str, Any]:
         flags = [cfg.is_window_layer(i) for i in range(n)]
@@ -271,8 +274,8 @@ class DeepseekV3Adapter:
                 cfg.moe_router_group_topk, target, "a DeepSeek group scores its best two experts (topk / group_topk = 2)")
         require(cfg.normalization == "RMSNorm" and cfg.activation == "swiglu", "activation", cfg.activation, target,
                 "it uses RMSNorm and SwiGLU")
-        require(not cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.softmax_type == "vanilla"
-                and cfg.window_size is None, "add_bias_linear", cfg.add_bias_linear, target,
+        require(not cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.attention_output_bias
+                and cfg.softmax_type == "vanilla" and cfg.window_size is None, "add_bias_linear", cfg.add_bias_linear, target,
                 "it has no biases, sinks or sliding windows")
         return {
             "architectures": [self.architecture], "model_type": self.name, "vocab_size": cfg.vocab_size,

@@ -102,8 +102,8 @@ class NemotronHAdapter:
         require(cfg.position_embedding_type == "none", "position_embedding_type", cfg.position_embedding_type, target,
                 "its attention has no position embedding")
         require(cfg.activation == "squared_relu", "activation", cfg.activation, target, "its MLP uses relu2")
-        require(not cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.multi_latent_attention
-                and not cfg.qk_layernorm, "add_bias_linear", cfg.add_bias_linear, target,
+        require(not cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.attention_output_bias
+                and not cfg.multi_latent_attention and not cfg.qk_layernorm, "add_bias_linear", cfg.add_bias_linear, target,
                 "its attention and MLP have no biases and no QK-norm")
         require(cfg.softmax_type == "vanilla" and cfg.window_size is None and cfg.softmax_scale in
                 (None, cfg.head_dim ** -0.5), "softmax_type", cfg.softmax_type, target,

@@ -3,8 +3,8 @@
 config.json states RoPE in one of two spellings: transformers >= 5 writes
 `rope_parameters: {rope_type, rope_theta, ...scaling keys}`; older files have a top-level
 `rope_theta` and `rope_scaling: {type | rope_type, ...}` (or null). Both are read; `rope_parameters`
-is written. Supported types: default, llama3 (-> model.rope_scaling) and yarn
-(-> position_embedding_type yarn). YaRN's cos/sin factor in transformers is
+is written. Supported types: default, linear and llama3 (-> model.rope_scaling, with
+rope_scaling_type linear or llama3) and yarn (-> position_embedding_type yarn). YaRN's cos/sin factor in transformers is
 mscale(s, mscale) / mscale(s, mscale_all_dim) when both keys are non-zero, else mscale(s, 1): the
 second case is meshtron's yarn_mscale=1, yarn_mscale_all_dim=0.
 """
@@ -30,8 +30,10 @@ def read_rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
     fields: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
     if kind == "default":
         return fields
+    if kind == "linear":
+        return {**fields, "rope_scaling": True, "rope_scaling_type": "linear", "rope_scaling_factor": float(params["factor"])}
     if kind == "llama3":
-        fields.update(rope_scaling=True, rope_scaling_factor=float(params["factor"]),
+        fields.update(rope_scaling=True, rope_scaling_type="llama3", rope_scaling_factor=float(params["factor"]),
                       rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
                       rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
                       rope_scaling_original_max_position_embeddings=int(params["original_max_position_embeddings"]))
@@ -39,7 +41,7 @@ def read_rope(hf: dict[str, Any], family: str) -> dict[str, Any]:
     if kind == "yarn":
         return {**fields, **_read_yarn(hf, params, family)}
     raise ConversionError(f"config.json rope type {kind!r} is not supported for {family}: "
-                          "supported: default, llama3, yarn")
+                          "supported: default, linear, llama3, yarn")
 
 
 def _read_yarn(hf: dict[str, Any], params: dict[str, Any], family: str) -> dict[str, Any]:
@@ -68,7 +70,9 @@ def write_rope(cfg: ModelConfig, target: str) -> dict[str, Any]:
     require(not cfg.rotary_interleaved, "rotary_interleaved", cfg.rotary_interleaved, target,
             "it rotates the two halves of a head")
     params: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
-    if cfg.rope_scaling:
+    if cfg.rope_scaling and cfg.rope_scaling_type == "linear":
+        params.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+    elif cfg.rope_scaling:
         params.update(rope_type="llama3", factor=cfg.rope_scaling_factor,
                       low_freq_factor=cfg.rope_scaling_low_freq_factor,
                       high_freq_factor=cfg.rope_scaling_high_freq_factor,
