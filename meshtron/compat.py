@@ -5,10 +5,6 @@ applies, so a PyTorch upgrade that moves or changes one is fixed in one place.
 on placeholder tensors (uninitialised values) to learn output shapes; `during_pipeline_shape_inference`
 lets a caller wrap that run (MoE layers must not count or record it).
 
-`schedule_micro_batch`: the micro-batch index of the pipeline stage forward running now, read from
-`PipelineStage.forward_one_chunk(fwd_chunk_id, ...)` on the call stack (None outside one, e.g. during
-the metadata inference above); the schedules give no public way to ask.
-
 `is_fake`: whether a tensor is a FakeTensor (shapes without data, e.g. `meshtron plan`'s trace); code
 whose shapes depend on data (MoE routing) takes a static-shaped path then.
 
@@ -35,7 +31,6 @@ PyTorch name is used anywhere else in meshtron.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -107,16 +102,6 @@ def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return bool(_is_fake(t))
-
-
-def schedule_micro_batch() -> int | None:
-    """The micro-batch index of the pipeline schedule's stage forward on the call stack, or None."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "forward_one_chunk" and "fwd_chunk_id" in frame.f_locals:
-            return int(frame.f_locals["fwd_chunk_id"])
-        frame = frame.f_back
-    return None
 
 
 # ---- attention blocks with their log-sum-exp (ring attention) ---------------------------------------

@@ -31,12 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.compat import schedule_micro_batch
 from meshtron.config.fields import ConfigError
 from meshtron.distill.hidden import whole_sequence
 from meshtron.distill.losses import DistillLoss, ModelOutputs
-from meshtron.parallel.pipeline import Pipeline, _stage_kwargs
-from meshtron.parallel.pipeline_eval import forward_only
+from meshtron.parallel.pipeline import Pipeline, stage_inputs
 from meshtron.parallel.pipeline_stages import build_stage_modules
 
 
@@ -62,8 +60,7 @@ class PipelinedTeacher:
             self.logits[i] = vocabulary_logits(logits)
 
         with torch.no_grad(), autocast:
-            forward_only(self.parts, p.stage_ids, p.num_stages, p.rank_of, p.group, p.device, batches,
-                         _stage_kwargs, keep)
+            p.forward_only(self.parts, batches, keep, inputs_of=stage_inputs)
 
 
 def teacher_stage_ranges(num_sublayers: int, num_stages: int) -> list[range]:
@@ -200,12 +197,12 @@ class PipelinedHiddenLosses:
 
     def _add_terms(self, part: nn.Module, s: int, here: list[int]):
         def add(module, args, output):
-            i = schedule_micro_batch() if module.training and torch.is_grad_enabled() else None
+            p = self.pipeline
+            i = p.micro_batch_of(part) if module.training and torch.is_grad_enabled() else None
             if i is None:
                 return None   # evaluation, or the stage's metadata inference (not a micro-batch's forward)
             self._seen[s].add(i)
-            p = self.pipeline
-            mask = p._batches[i]["loss_mask"]
+            mask = p.batches[i]["loss_mask"]
             hidden = whole_sequence(output, self.seq_mesh)
             projected = part.distill_projections([hidden] * len(here), here)
             total = torch.zeros((), dtype=torch.float32, device=mask.device)
@@ -221,7 +218,7 @@ class PipelinedHiddenLosses:
                     acc = terms.get(f"distill_{name}", (0.0, 0.0))
                     terms[f"distill_{name}"] = (acc[0] + float(share), acc[1])
             self.loss_sum += float(total)
-            return _AddLoss.apply(output, total * p._loss_scale)
+            return _AddLoss.apply(output, total * p.loss_scale)
         return add
 
     def end(self, num_micro_batches: int) -> None:

@@ -20,7 +20,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -108,8 +107,7 @@ class DistillTrainer(Trainer):
             parts = self.pipelined_teacher.parts
             teacher = ModelParts(parts)
             # the last stage's loss becomes the distillation objective (evaluation keeps the plain one)
-            self._plain_pipeline_loss = self.pipeline._micro_batch_loss
-            self.pipeline._micro_batch_loss = self._pipeline_loss
+            self.pipeline.objective = self._pipeline_loss
         try:
             parallelize_parts(parts, self.dims, self.mesh, dataclasses.replace(cfg, model=self.teacher_cfg,
                                                                                parallel=plain))
@@ -125,8 +123,7 @@ class DistillTrainer(Trainer):
             self.pipelined_hidden = PipelinedHiddenLosses(
                 self.pipeline, self.model_parts, parts, self.layer_pairs, student_ranges, teacher_ranges,
                 self.hidden_losses, self.balancer.weights, self.teacher_cfg.hidden_size, seq_mesh)
-            self._plain_loss_sum = self.pipeline._broadcast_loss_sum
-            self.pipeline._broadcast_loss_sum = self._pipeline_loss_sum
+            self.pipeline.stage_loss_sum = lambda: self.pipelined_hidden.loss_sum
         elif self.layer_pairs:
             self.student_hidden = HiddenCapture(self.model, [s for s, _ in self.layer_pairs], seq_mesh)
             self.teacher_hidden = HiddenCapture(teacher, [t for _, t in self.layer_pairs], seq_mesh)
@@ -179,18 +176,11 @@ class DistillTrainer(Trainer):
         self._pipeline_extras, self.pipelined_teacher.logits = {}, {}
         return result
 
-    def _pipeline_loss_sum(self, n: int) -> float:
-        """The pipeline's step loss sum plus the hidden-state terms computed on every stage (summed over pp)."""
-        value = torch.tensor(self.pipelined_hidden.loss_sum, dtype=torch.float64, device=self.device)
-        dist.all_reduce(value, group=self.pipeline.group)
-        return self._plain_loss_sum(n) + float(value)
-
-    def _pipeline_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
-        """The last stage's loss of micro-batch i: (weighted distillation objective) * 1 / tokens of the step."""
+    def _pipeline_loss(self, logits: torch.Tensor, mb: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+        """The pipeline's objective: the last stage's weighted distillation loss of micro-batch i (unscaled)."""
         p = self.pipeline
         if not self.model_parts[0].training or i not in self.pipelined_teacher.logits:
-            return self._plain_pipeline_loss(logits, i)   # evaluation: the student's own loss on the labels
-        mb = p._batches[i]
+            return p.cross_entropy(logits, mb, i)   # evaluation: the student's own loss on the labels
         cross_entropy = masked_cross_entropy
         if p.loss_parallel:
             from meshtron.parallel.loss import vocab_parallel_cross_entropy as cross_entropy
@@ -201,12 +191,9 @@ class DistillTrainer(Trainer):
         loss, num_tokens, extras = self.logits_balancer(student, teacher, mb["loss_mask"], label_loss)
         for name in self.hidden_losses:   # the value is summed from the stages holding the pairs
             extras[f"distill_{name}"] = (torch.zeros(()), num_tokens)
-        if i == 0 and p._inject_nan:
-            loss = loss * float("nan")
-        p._loss_sums[i] = loss.detach()
         # keyed by micro-batch: the stage's shape inference calls this once for index 0 before the real call
         self._pipeline_extras[i] = {name: (float(v), float(c)) for name, (v, c) in extras.items()}
-        return loss * p._loss_scale
+        return loss
 
     def _announce(self, logger: MetricsLogger) -> None:
         super()._announce(logger)

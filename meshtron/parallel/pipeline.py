@@ -16,13 +16,21 @@ the step), and the schedule does not rescale gradients, so the accumulated gradi
 non-pipelined run's. The loss sum is broadcast from the last stage's rank to the whole pp group.
 With tensor parallelism and loss_parallel the logits stay vocabulary-sharded DTensors; the schedule
 runs inside `loss_parallel()` so both the cross-entropy and its backward reduce across tp ranks.
+
+Hooks for other objectives (RL, distillation), all public: `objective(logits, micro_batch, i)` is the last
+stage's unscaled loss sum of micro-batch i (default: cross-entropy on the labels); `stage_loss_sum()` adds
+a loss every stage computes itself (distillation's hidden-state terms) to the reported step loss;
+`micro_batch_of(part)` tells a hook inside a stage which micro-batch the schedule is running (the index is
+passed to the stage as an input, not read from the schedule); `forward_only(parts, batches, on_logits)`
+runs any set of stage modules placed like this pipeline's (a teacher, a reference policy) forward only.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -120,6 +128,11 @@ class Pipeline:
         self._loss_scale, self._inject_nan = 1.0, False
         self._loss_sums: dict[int, torch.Tensor] = {}
         self._target: torch.Tensor | None = None  # the step's loss target, arange(micro-batches)
+        self._inferring_shapes = False  # a stage's placeholder forward before its first step
+        # the last stage's loss of one micro-batch, an unscaled sum (what is reported): objective(logits, mb, i)
+        self.objective: Callable[[torch.Tensor, dict[str, torch.Tensor], int], torch.Tensor] = self.cross_entropy
+        # a loss sum each stage adds itself (on this rank, for the step so far), summed over the pp group
+        self.stage_loss_sum: Optional[Callable[[], float]] = None
         self.tied_group = None  # first/last-stage pair of a tied embedding (build_pipeline sets it)
         self.context_parallel = None
         if mesh["cp"].size() > 1:
@@ -152,13 +165,56 @@ class Pipeline:
         """Forward only: (sum of token losses, number of loss tokens) of `batches`, same on every pp rank."""
         self._begin(batches, 1.0, False)
         with torch.no_grad(), self._contexts():
-            forward_only(self.parts, self.stage_ids, self.num_stages, self.rank_of, self.group, self.device, batches,
-                         self._stage_kwargs, self._micro_batch_loss)
+            self.forward_only(self.parts, batches, self.micro_batch_loss)
         _reshard(self.parts)  # FSDP parameters kept gathered by forward (zero-bubble, ZeRO-2) are freed
         num_tokens = float(sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in batches))  # one host sync
         loss_sum = self._broadcast_loss_sum(len(batches))
         self._batches = []
         return loss_sum, num_tokens
+
+    # ---- hooks for other objectives ------------------------------------------------------------
+
+    @property
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of the step (or evaluation) running now."""
+        return self._batches
+
+    @property
+    def loss_scale(self) -> float:
+        """What each micro-batch's loss is multiplied by for backward: 1 / the step's loss tokens."""
+        return self._loss_scale
+
+    def cross_entropy(self, logits: torch.Tensor, mb: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+        """The pretraining objective: the sum of token cross-entropies on mb's labels under its loss mask."""
+        if self.loss_parallel:
+            from meshtron.parallel.loss import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(logits, mb["labels"], mb["loss_mask"])[0]
+        return masked_cross_entropy(logits, mb["labels"], mb["loss_mask"])[0]
+
+    def micro_batch_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """objective(...) * loss_scale of micro-batch i; the unscaled sum is kept for reporting."""
+        loss = self.objective(logits, self._batches[i], i)
+        if i == 0 and self._inject_nan:
+            loss = loss * float("nan")
+        self._loss_sums[i] = loss.detach()
+        return loss * self._loss_scale
+
+    def micro_batch_of(self, part: nn.Module) -> Optional[int]:
+        """The index of the micro-batch `part` (one of this rank's stage modules) is running in a training
+        schedule's forward now; None in evaluation, outside a forward and in the stage's shape inference."""
+        index = getattr(part, "micro_batch", None)
+        if index is None or self._inferring_shapes:
+            return None
+        return self._index_of(index)
+
+    def forward_only(self, parts: list[nn.Module], batches: list[dict[str, torch.Tensor]],
+                     on_logits: Callable[[torch.Tensor, int], Any],
+                     inputs_of: Optional[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = None) -> None:
+        """Forward `batches` through `parts` (stage modules placed like this pipeline's: its own, a frozen
+        copy, a teacher's); the last stage hands (logits, micro-batch index) to `on_logits`."""
+        forward_only(parts, self.stage_ids, self.num_stages, self.rank_of, self.group, self.device, batches,
+                     inputs_of or self._stage_kwargs, on_logits)
 
     # ---- pieces ---------------------------------------------------------------------------------
 
@@ -173,7 +229,7 @@ class Pipeline:
             stages = [PipelineStage(part, s, self.num_stages, self.device, group=self.group)
                       for part, s in zip(self.parts, self.stage_ids)]
             for stage in stages:  # the placeholder forward of shape inference is no MoE forward to count
-                during_pipeline_shape_inference(stage, lambda part=stage.submod: moe_bookkeeping_paused(part))
+                during_pipeline_shape_inference(stage, lambda part=stage.submod: self._shape_inference(part))
             cls = self.schedule_class
             if cls in _ZERO_BUBBLE:
                 _keep_gathered_until_backward(self.parts)
@@ -181,25 +237,36 @@ class Pipeline:
             self._schedules[n] = cls(stage_arg, n, loss_fn=self._loss_fn, scale_grads=False)
         return self._schedules[n]
 
+    @contextmanager
+    def _shape_inference(self, part: nn.Module) -> Iterator[None]:
+        self._inferring_shapes = True
+        try:
+            with moe_bookkeeping_paused(part):
+                yield
+        finally:
+            self._inferring_shapes = False
+
     def _schedule_inputs(self, batches: list[dict[str, torch.Tensor]]):
         """Whole-step tensors that the schedule splits back into `batches` along dim 0: tokens for
         the first stage, positions (and document ids) for every stage, and as the loss target the
-        micro-batch index, with which the loss function finds its labels and loss mask."""
+        micro-batch index, with which the loss function finds its labels and loss mask. The same index goes
+        to every stage as the `micro_batch` input (`micro_batch_of`)."""
         tokens = torch.cat([mb["input_ids"] for mb in batches])
         per_batch = [self._stage_kwargs(mb) for mb in batches]
         kwargs = {k: torch.cat([kw[k] for kw in per_batch]) for k in per_batch[0]}
         args = (tokens,) if 0 in self.stage_ids else ()
         target = torch.arange(len(batches), device=tokens.device)
         self._target = target  # the loss function finds a micro-batch's index from its chunk of it
+        kwargs["micro_batch"] = target
         return args, kwargs, target
 
     def _stage_kwargs(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _stage_kwargs(mb, self.context_parallel)
+        return stage_inputs(mb, self.context_parallel)
 
     def _loss_fn(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: `index` holds the micro-batch index (the target we gave it). Also
         called once by the stage's shape inference (index 0, overwritten by the real call)."""
-        return self._micro_batch_loss(logits, self._index_of(index))
+        return self.micro_batch_loss(logits, self._index_of(index))
 
     def _index_of(self, index: torch.Tensor) -> int:
         """The micro-batch index of the schedule's chunk of our target. The schedule splits the target
@@ -211,20 +278,6 @@ class Pipeline:
                 and index.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()):
             return index.storage_offset() - target.storage_offset()
         return int(index.reshape(-1)[0])
-
-    def _micro_batch_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
-        """(sum of token losses) * scale of micro-batch i; the unscaled sum is kept for reporting."""
-        mb = self._batches[i]
-        if self.loss_parallel:
-            from meshtron.parallel.loss import vocab_parallel_cross_entropy
-
-            loss, _ = vocab_parallel_cross_entropy(logits, mb["labels"], mb["loss_mask"])
-        else:
-            loss, _ = masked_cross_entropy(logits, mb["labels"], mb["loss_mask"])
-        if i == 0 and self._inject_nan:
-            loss = loss * float("nan")
-        self._loss_sums[i] = loss.detach()
-        return loss * self._loss_scale
 
     def tied_copies(self) -> list[torch.nn.Parameter]:
         """The last stage's copy of a tied embedding (counted once by the gradient norm)."""
@@ -255,6 +308,10 @@ class Pipeline:
             assert sorted(self._loss_sums) == list(range(n)), "the schedule skipped a micro-batch's loss"
             value += sum(self._loss_sums[i].double() for i in range(n))
         dist.broadcast(value, group=self.group, group_src=self.rank_of(self.num_stages - 1))
+        if self.stage_loss_sum is not None:
+            extra = torch.tensor(self.stage_loss_sum(), dtype=torch.float64, device=self.device)
+            dist.all_reduce(extra, group=self.group)
+            value += extra
         return float(value)
 
     def _contexts(self) -> ExitStack:
@@ -294,7 +351,7 @@ def _keep_gathered_until_backward(parts: list[nn.Module]) -> None:
             part.set_reshard_after_forward(False, recurse=True)
 
 
-def _stage_kwargs(mb: dict[str, torch.Tensor], context_parallel=None) -> dict[str, torch.Tensor]:
+def stage_inputs(mb: dict[str, torch.Tensor], context_parallel=None) -> dict[str, torch.Tensor]:
     """Keyword inputs of every stage for one micro-batch: (batch, seq) positions, the sample's own
     (restarted at document starts) or 0..seq-1, and the document ids of packed samples. Under context
     parallelism the micro-batch holds this cp rank's tokens and the default positions are their global ones."""

@@ -68,10 +68,12 @@ class PipelineStageModule(nn.Module):
     final norm and output head on the last. Every stage gets the token positions (and document ids
     of packed samples) as keyword inputs, so RoPE and document masks are right on every stage.
 
-    forward(x, positions, document_ids=None):
+    forward(x, positions, document_ids=None, micro_batch=None):
         first stage: x = tokens (batch, seq) long; otherwise x = hidden (batch, seq, hidden), where seq is
         this cp rank's tokens under context parallelism and their 1/tp part under sequence parallelism
-        returns hidden states, or logits (batch, seq, vocab) on the last stage.
+        returns hidden states, or logits (batch, seq, vocab) on the last stage. `micro_batch`: the index
+        of the micro-batch in a training schedule (a one-element tensor), kept as `self.micro_batch` for
+        hooks inside the stage (`Pipeline.micro_batch_of`); None elsewhere.
     """
 
     def __init__(self, model: nn.Module, layer_ids: range, is_first: bool, is_last: bool):
@@ -101,9 +103,11 @@ class PipelineStageModule(nn.Module):
         self.context_parallel = None
         # `annotate(name)`: a context manager around the stage's forward (the trainer's profiler / NVTX ranges)
         self.annotate: Callable[[str], AbstractContextManager] = lambda name: nullcontext()
+        self.micro_batch: Optional[torch.Tensor] = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+                micro_batch: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.micro_batch = micro_batch
         with self.annotate("forward"):
             if self.context_parallel is not None:
                 ctx = self.context_parallel.context_for(positions, document_ids)

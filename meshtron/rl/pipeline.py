@@ -29,7 +29,6 @@ from torch import nn
 
 from meshtron.parallel.clip import clip_grad_norm_
 from meshtron.parallel.pipeline import Pipeline
-from meshtron.parallel.pipeline_eval import forward_only
 from meshtron.rl.grpo import GRPOUpdate, all_reduce, all_reduce_gradients
 from meshtron.rl.loss import PolicyLossConfig, policy_loss, token_entropy, token_log_probs
 from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
@@ -42,9 +41,11 @@ class RLPipeline(Pipeline):
     def configure(self, mode: str, temperature: float = 1.0, loss_cfg: Optional[PolicyLossConfig] = None) -> None:
         self.mode, self.temperature, self.loss_cfg = mode, temperature, loss_cfg
         self.stats: dict[int, dict[str, Any]] = {}
+        self.objective = self.rl_loss
 
-    def _micro_batch_loss(self, logits: torch.Tensor, i: int) -> torch.Tensor:
-        mb = self._batches[i]
+    def rl_loss(self, logits: torch.Tensor, mb: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+        """The last stage's loss of micro-batch i (it carries its own normalisers: steps run with
+        total_tokens=1, so loss_scale is 1)."""
         if self.mode == "supervised":
             log_probs = token_log_probs(logits, mb["labels"])
             loss = -(log_probs * mb["weights"]).sum()
@@ -65,7 +66,6 @@ class RLPipeline(Pipeline):
                                       entropy=entropy)
             stats = {**stats, "loss": loss.detach()}
         self.stats[i] = stats  # (the stage's shape inference calls this once for 0; the schedule overwrites it)
-        self._loss_sums[i] = loss.detach()
         return loss
 
     def train(self, micro_batches: list[dict[str, torch.Tensor]], rows: int) -> list[dict[str, Any]]:
@@ -87,8 +87,7 @@ class RLPipeline(Pipeline):
         def keep(logits: torch.Tensor, i: int) -> None:
             micro_batches[i][key] = token_log_probs(logits, micro_batches[i]["labels"], temperature)
 
-        forward_only(list(parts), self.stage_ids, self.num_stages, self.rank_of, self.group, self.device,
-                     micro_batches, self._stage_kwargs, keep)
+        self.forward_only(list(parts), micro_batches, keep)
 
     @property
     def num_ranks(self) -> int:
