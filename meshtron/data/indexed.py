@@ -230,16 +230,21 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             magic = f.read(len(mf.MAGIC))
         if magic.startswith(IDX_MAGIC):
-            self._open_meshtron(bin_path, idx_path)
+            offsets, sizes = self._open_meshtron(bin_path, idx_path)
         elif magic == mf.MAGIC:
-            self._open_megatron(bin_path, idx_path)
+            offsets, sizes = self._open_megatron(bin_path, idx_path)
         else:
             raise IndexedDatasetError(f"{idx_path}: starts with {magic!r}, neither meshtron's {IDX_MAGIC!r} nor "
                                       f"Megatron's {mf.MAGIC!r} index magic (not an index, or corrupt); re-run preprocessing")
+        self.offsets = offsets   # (num_docs + 1,) token offsets: an int64 memory map, or Megatron's pointers / itemsize
+        self.sizes = sizes       # (num_docs,) int32 document lengths
+        self.tokens = self._map_tokens(bin_path)
+        if self.format == "meshtron":
+            check_offsets(idx_path, self.offsets, self.sizes, self.num_tokens)
         self.id_limit = self.vocab_size if self.vocab_size is not None else _dtype_bounds(self.dtype)[1]
         self._signed = self.dtype.kind != "u"
 
-    def _open_meshtron(self, bin_path: Path, idx_path: Path) -> None:
+    def _open_meshtron(self, bin_path: Path, idx_path: Path) -> tuple[np.ndarray, np.ndarray]:
         self.format, self.data_offset = "meshtron", BIN_HEADER.size
         code, pair_id, num_docs, num_tokens = self._read_idx_header(idx_path)
         self.pair_id = pair_id
@@ -250,12 +255,11 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{bin_path}: does not belong to {idx_path} (different header or pair id); "
                                       "keep the .bin and .idx written together")
         self._check_bin_size(bin_path, expected_bin, num_tokens)
-        self.offsets = np.memmap(idx_path, dtype=np.int64, mode="r", offset=IDX_HEADER.size, shape=(num_docs + 1,))
-        self.sizes = (np.memmap(idx_path, dtype=np.int32, mode="r", offset=IDX_HEADER.size + 8 * (num_docs + 1),
-                                shape=(num_docs,)) if num_docs else np.zeros(0, dtype=np.int32))
-        self.tokens = self._map_tokens(bin_path)
-        self.document_indices, self.grouped = np.arange(num_docs + 1, dtype=np.int64), False
-        check_offsets(idx_path, self.offsets, self.sizes, num_tokens)
+        self.document_indices, self.grouped, self.has_sidecar = np.arange(num_docs + 1, dtype=np.int64), False, False
+        offsets = np.memmap(idx_path, dtype=np.int64, mode="r", offset=IDX_HEADER.size, shape=(num_docs + 1,))
+        sizes = (np.memmap(idx_path, dtype=np.int32, mode="r", offset=IDX_HEADER.size + 8 * (num_docs + 1),
+                           shape=(num_docs,)) if num_docs else np.zeros(0, dtype=np.int32))
+        return offsets, sizes
 
     def _read_idx_header(self, idx_path: Path) -> tuple[int, bytes, int, int]:
         """Read and check meshtron's .idx header and size; sets dtype, counts, vocab_size, crc and the max id."""
@@ -281,16 +285,14 @@ class IndexedDataset:
                                       "(truncated or corrupt); re-run preprocessing")
         return code, pair_id, num_docs, num_tokens
 
-    def _open_megatron(self, bin_path: Path, idx_path: Path) -> None:
+    def _open_megatron(self, bin_path: Path, idx_path: Path) -> tuple[mf.TokenOffsets, np.ndarray]:
         self.format, self.data_offset = "megatron", 0
         index = mf.read_index(idx_path)
         self.dtype, self.num_tokens = index["dtype"], index["num_tokens"]
-        self.sizes, self.num_docs = index["lengths"], len(index["lengths"])
+        self.num_docs = len(index["lengths"])
         self.document_indices = index["document_indices"]
         self.grouped = len(self.document_indices) != self.num_docs + 1
         self._check_bin_size(bin_path, self.num_tokens * self.dtype.itemsize, self.num_tokens)
-        self.offsets = mf.TokenOffsets(index["pointers"], self.dtype.itemsize, self.num_tokens)
-        self.tokens = self._map_tokens(bin_path)
         side = mf.read_sidecar(self.prefix, idx_path, dtype=self.dtype, num_tokens=self.num_tokens,
                                num_sequences=self.num_docs)
         self.has_sidecar = side is not None
@@ -298,6 +300,7 @@ class IndexedDataset:
         self.crc = side["crc32"] if side else None
         self.max_token_id = side["max_token_id"] if side else None
         self.pair_id = side["pair_id"] if side else None
+        return mf.TokenOffsets(index["pointers"], self.dtype.itemsize, self.num_tokens), index["lengths"]
 
     def _check_bin_size(self, bin_path: Path, expected: int, num_tokens: int) -> None:
         if bin_path.stat().st_size != expected:
