@@ -12,6 +12,7 @@ from torch import nn
 
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.attention import Attention
+from meshtron.nn.context import MixerContext
 from meshtron.nn.mamba import Mamba2Mixer
 from meshtron.nn.mla import MultiLatentAttention
 from meshtron.nn.mlp import MLP
@@ -72,7 +73,7 @@ class Sublayer(nn.Module):
             raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}")
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
         return x + self.dropout(self.mixer(self.norm(x), ctx))
 
 

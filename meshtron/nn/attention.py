@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from meshtron.nn.attention_core import attend
+from meshtron.nn.context import MixerContext
 from meshtron.nn.norm import build_norm
 from meshtron.nn.rotary import apply_rotary
 
@@ -56,7 +57,7 @@ class Attention(nn.Module):
         # Under tensor parallelism the sinks are split by head like the queries: use this rank's share.
         return self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Local head counts come from the weights, so a tensor-parallel shard needs no rank logic.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, heads, head_dim)

@@ -22,10 +22,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from meshtron.nn.context import MixerContext
 from meshtron.nn.flex_attention import flex_attend, use_flex
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, *, scale: float,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext, *, scale: float,
            window_size: Optional[int] = None, sink_logits: Optional[torch.Tensor] = None,
            dropout: float = 0.0, backend: str = "auto") -> torch.Tensor:
     """q (batch, heads, q_len, d), k (batch, kv_heads, k_len, d), v (batch, kv_heads, k_len, dv)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -47,6 +47,39 @@ class RecurrentState:
     lengths: Optional[torch.Tensor]
     store: Callable[[torch.Tensor, torch.Tensor], None]
     index: Optional[torch.Tensor] = None
+
+
+@runtime_checkable
+class MixerContext(Protocol):
+    """What every mixer may ask of the `ctx` it is given (the contracts in the module docstring).
+    Implemented by PackedContext and KVCacheContext here, parallel/context_parallel.CPContext and the
+    engine's inference/paged_context.PagedContext and inference/varlen_context.VarlenPagedContext.
+    Attention also needs the masks (`MaskingContext`) unless the context computes the product itself
+    (`attend(q, k, v, *, scale, window_size, sink_logits, dropout)`: ring attention, the engine's varlen
+    layout); Mamba layers need `mamba_states` (`RecurrentContext`). Full-sequence contexts may also offer
+    FlexAttention (`flex_block_mask`, `is_plain_causal`)."""
+
+    positions: torch.Tensor  # the tokens' positions, (batch or rows, seq)
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) for those positions, filled by the model
+
+    def update_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's keys/values in -> every key/value the queries attend to (cached ones too)."""
+        ...
+
+
+@runtime_checkable
+class MaskingContext(MixerContext, Protocol):
+    def attention_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
+        ...
+
+    def sdpa_mask(self, window_size: Optional[int] = None) -> dict[str, Any]:
+        ...
+
+
+@runtime_checkable
+class RecurrentContext(MixerContext, Protocol):
+    def mamba_states(self, layer_id: int) -> Optional[list[RecurrentState]]:
+        ...
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.nn import ssd
-from meshtron.nn.context import RecurrentState
+from meshtron.nn.context import RecurrentContext, RecurrentState
 
 A_INIT_RANGE = (1.0, 16.0)
 
@@ -171,7 +171,7 @@ class Mamba2Mixer(nn.Module):
                 conv.bias.zero_()
         self.norm.weight.fill_(1.0)
 
-    def forward(self, u: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, ctx: RecurrentContext) -> torch.Tensor:
         batch, seq, _ = u.shape
         states = ctx.mamba_states(self.layer_id) if hasattr(ctx, "mamba_states") else None
         # Local widths come from the weights, so a tensor-parallel shard needs no rank logic.

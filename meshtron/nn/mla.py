@@ -19,6 +19,7 @@ from torch import nn
 
 from meshtron.nn.attention import SOFTMAX_TYPES
 from meshtron.nn.attention_core import attend
+from meshtron.nn.context import MixerContext
 from meshtron.nn.norm import build_norm
 from meshtron.nn.rotary import apply_rotary
 
@@ -60,7 +61,7 @@ class MultiLatentAttention(nn.Module):
             return None
         return self.sinks if self.sinks is not None else q.new_zeros(q.shape[1], dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
         batch, seq, _ = x.shape
         d_n, d_r, d_v = self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
