@@ -33,12 +33,18 @@ def megatron_prefix(tmp_path_factory):
     return str(prefix)
 
 
-def _epoch_samples(prefix: str, split: str, seq_length: int, fraction: float, extra: bool) -> int:
-    """A train size of `fraction` epochs of the train split (Megatron's arithmetic of samples per epoch)."""
+def _epoch_samples(prefix: str, split: str, seq_length: int, fraction: float | str, extra: bool) -> int:
+    """A train size of `fraction` epochs of the train split (Megatron's arithmetic of samples per epoch);
+    "boundary": a second epoch contributing exactly int(0.8 * samples per epoch) samples, where Megatron
+    does not shuffle it apart (its threshold is truncated to an integer)."""
     weights = [float(x) for x in split.split(",")]
     end = int(round(weights[0] / sum(weights) * NUM_DOCS))
     tokens = int(np.asarray(IndexedDataset(prefix).sizes[:end], dtype=np.int64).sum())
-    return int(fraction * num_samples_of(tokens, seq_length, int(extra)))
+    per_epoch = num_samples_of(tokens, seq_length, int(extra))
+    if fraction == "boundary":
+        assert int(0.8 * per_epoch) != 0.8 * per_epoch
+        return per_epoch + int(0.8 * per_epoch)
+    return int(fraction * per_epoch)
 
 
 CASES = [  # seed, seq_length, split, train size in epochs (None: one epoch, no size), add_extra_token
@@ -47,6 +53,7 @@ CASES = [  # seed, seq_length, split, train size in epochs (None: one epoch, no 
     (3, 10, "80,15,5", 2.95, True),         # final epoch shuffled with the others
     (11, 24, "969,30,1", 3.5, False),
     (5, 8, "90,10", 0.5, False),
+    (2, 12, "969,30,1", "boundary", True),
 ]
 
 
@@ -60,13 +67,14 @@ def _meshtron_config(tiny_config, prefix, seed, seq_length, split, num_train, ex
 @pytest.mark.parametrize("seed,seq_length,split,epochs,extra", CASES)
 def test_samples_equal_megatron_core(tiny_config, megatron_prefix, tmp_path, seed, seq_length, split, epochs, extra):
     num_train = _epoch_samples(megatron_prefix, split, seq_length, epochs or 1.0, extra)
+    multi_epoch = epochs == "boundary" or (epochs is not None and epochs > 1)
     cfg = _meshtron_config(tiny_config, megatron_prefix, seed, seq_length, split, num_train, extra)
     with pytest.warns(UserWarning, match="no .*corpus.meshtron.json sidecar"):
         mine = build_datasets(cfg, BYTE)
     ref = megatron_gpt_datasets(megatron_prefix, seed=seed, seq_length=seq_length, split=split,
                                 sizes=[None if epochs is None else num_train, None, None], cache_dir=tmp_path / "mc",
                                 eod=BYTE.eod_id, pad=BYTE.pad_id, vocab_size=BYTE.vocab_size, add_extra_token=extra)
-    if epochs and epochs > 1:
+    if multi_epoch:
         assert mine[0].num_epochs > 1
     for ours, theirs in zip(mine, ref):
         if theirs is None:             # Megatron builds no dataset for a zero-width split
@@ -91,7 +99,7 @@ def test_both_final_epoch_branches_are_covered(megatron_prefix):
     """The multi-epoch cases above take both of Megatron's branches (a guard on the cases themselves)."""
     seen = set()
     for _, seq_length, split, epochs, extra in CASES:
-        if epochs is None or epochs <= 1:
+        if epochs is None or (epochs != "boundary" and epochs <= 1):
             continue
         n = _epoch_samples(megatron_prefix, split, seq_length, epochs, extra)
         w = [float(x) for x in split.split(",")]
