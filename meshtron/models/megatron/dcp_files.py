@@ -195,7 +195,7 @@ class MegatronCheckpoint:
         """Tensor `name`, or its entry `layer` along the leading (layer) axis, assembled from its chunks."""
         size = self.sizes[name]
         shape = size if layer is None else size[1:]
-        out = torch.empty(shape, dtype=self.dtypes[name])
+        out: Optional[torch.Tensor] = None
         filled = 0
         for chunk in self._chunks.get(name, []):
             lo = chunk.offsets[0] if layer is not None else 0
@@ -214,13 +214,14 @@ class MegatronCheckpoint:
                                     f"({type(e).__name__})") from None
             if not isinstance(data, torch.Tensor) or tuple(data.shape) != chunk.sizes:
                 raise MegatronError(f"{str(self.path)!r}: a chunk of {name!r} does not have the shape its metadata gives")
-            if layer is None:
-                region, piece, offsets = out, data, chunk.offsets
-            else:
-                region, piece, offsets = out, data[layer - lo], chunk.offsets[1:]
-            region[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
+            piece, offsets = (data, chunk.offsets) if layer is None else (data[layer - lo], chunk.offsets[1:])
+            if tuple(piece.shape) == shape:  # one chunk holds all of it: no copy into a buffer
+                return piece
+            if out is None:
+                out = torch.empty(shape, dtype=self.dtypes[name])
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
             filled += piece.numel()
-        if filled != out.numel():
+        if out is None or filled != out.numel():
             raise MegatronError(f"{str(self.path)!r}: the chunks of {name!r} do not cover it"
                                 + ("" if layer is None else f" for layer {layer}"))
         return out
