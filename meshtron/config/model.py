@@ -9,6 +9,7 @@ from typing import Literal, Optional, Union
 
 from meshtron.config.fields import ConfigError, check, option
 from meshtron.config.hybrid import check_pattern, pattern_from_ratios
+from meshtron.config.registry import ROUTER_REGISTRY
 
 LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP", "M": "Mamba-2", "E": "mixture of experts"}
 
@@ -358,12 +359,8 @@ class ModelConfig:
             check("E" not in self.pattern, "model.num_moe_experts", E, "'E' in the layer pattern needs the number of experts")
             return
         check(E >= 1, "model.num_moe_experts", E, "must be >= 1 or null")
-        # the router registry lives with the routers (nn imports config, so the import is lazy)
-        from meshtron.nn.moe.router import router_names, unknown_router_message
-
-        registered, plugins = router_names()
-        if self.moe_router_type not in registered + plugins:
-            raise ConfigError(unknown_router_message(self.moe_router_type))
+        if not ROUTER_REGISTRY.knows(self.moe_router_type):
+            raise ConfigError(ROUTER_REGISTRY.unknown_message(self.moe_router_type))
         check(1 <= self.moe_router_topk <= E, "model.moe_router_topk", self.moe_router_topk,
               f"must be in [1, num_moe_experts={E}]")
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):

@@ -373,3 +373,17 @@ def test_fp32_router_under_bf16_autocast():
         logits = layer.router.logits(x.reshape(-1, cfg.hidden_size))
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, x.reshape(-1, cfg.hidden_size) @ layer.router.weight.t())
+
+
+def test_config_lists_exactly_the_built_in_routers():
+    # config/ checks router names without importing nn/ (it sits below): its built-in list must be what
+    # nn/moe/router.py registers when imported (every registration there is a built-in)
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from meshtron.config.registry import ROUTER_REGISTRY as R; before = set(R.registered); "
+            "import meshtron.nn.moe.router; print(json.dumps([sorted(set(R.registered) - before), sorted(R.builtin)]))")
+    registered, builtin = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                    check=True).stdout)
+    assert registered == builtin

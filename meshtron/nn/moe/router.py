@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config.fields import ConfigError
+from meshtron.config.registry import ROUTER_REGISTRY
 from meshtron.config.schema import ModelConfig
 from meshtron.nn.moe.replay import RouterReplay
 
@@ -53,8 +53,8 @@ class Router(Protocol):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-ROUTERS: dict[str, Callable[[ModelConfig], nn.Module]] = {}
-ENTRY_POINT_GROUP = "meshtron.routers"
+ROUTERS: dict[str, Callable[[ModelConfig], nn.Module]] = ROUTER_REGISTRY.registered  # name -> router class
+ENTRY_POINT_GROUP = ROUTER_REGISTRY.entry_point_group
 
 
 def check_router_class(cls: Any, name: str) -> None:
@@ -76,46 +76,22 @@ def register_router(name: str):
     """Class decorator: make a router selectable as `model.moe_router_type: name`."""
     def add(cls):
         check_router_class(cls, name)
-        ROUTERS[name] = cls
+        ROUTER_REGISTRY.register(name, cls)
         return cls
     return add
 
 
-def _plugins() -> dict[str, metadata.EntryPoint]:
-    """Entry points of group `meshtron.routers` in the installed distributions (nothing imported)."""
-    found: dict[str, metadata.EntryPoint] = {}
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep)
-    return found
-
-
 def router_names() -> tuple[list[str], list[str]]:
     """(registered names, names only an entry point provides so far), each sorted."""
-    return sorted(ROUTERS), sorted(set(_plugins()) - set(ROUTERS))
-
-
-def unknown_router_message(name: str) -> str:
-    registered, plugins = router_names()
-    return (f"model.moe_router_type: {name!r} is not allowed; registered routers: {', '.join(registered)}; "
-            f"entry points in group {ENTRY_POINT_GROUP}: {', '.join(plugins) or 'none'} (declare one in your "
-            f"package, or call meshtron.nn.moe.register_router)")
+    return ROUTER_REGISTRY.names()
 
 
 def router_class(name: str) -> Callable[[ModelConfig], nn.Module]:
     """The class registered as `name`, importing its entry point the first time it is asked for."""
-    if name in ROUTERS:
-        return ROUTERS[name]
-    ep = _plugins().get(name)
-    if ep is None:
-        raise ConfigError(unknown_router_message(name))
     try:
-        cls = ep.load()
-        check_router_class(cls, name)
-    except Exception as e:  # an import error or a bad class in the user's package: one line, not a traceback
-        raise ConfigError(f"model.moe_router_type: entry point {name} = {ep.value} (group {ENTRY_POINT_GROUP}) "
-                          f"cannot be used: {type(e).__name__}: {e}") from None
-    ROUTERS[name] = cls
-    return cls
+        return ROUTER_REGISTRY.load(name, check_router_class)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_router(cfg: ModelConfig) -> nn.Module:
