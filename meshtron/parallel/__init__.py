@@ -7,7 +7,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.config.fields import ConfigError
 from meshtron.config.schema import RunConfig
 from meshtron.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshtron.parallel.compile import apply_compile
@@ -32,9 +31,6 @@ def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
 def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh | None, cfg: RunConfig) -> None:
     """Apply TP, EP, activation checkpointing, compile and FSDP to each model part, in that order."""
     p = cfg.parallel
-    if p.compile and dims.tp > 1:
-        raise ConfigError("parallel.compile: compiling tensor-parallel (DTensor) sublayers is not supported on this "
-                          "PyTorch build; set parallel.compile false or parallel.tp 1")
     for part in parts:
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)

@@ -1,11 +1,39 @@
-"""torch.compile per sublayer, in place (`nn.Module.compile`), so parameter names are unchanged."""
+"""torch.compile per sublayer, in place (`nn.Module.compile`), so parameter names are unchanged.
+
+Runs after tensor/sequence parallelism and recompute and before FSDP (STYLE 3), as torchtitan does:
+each sublayer is one graph, traced with its DTensor parameters and the TP plan's input/output
+redistributions (all-gather / reduce-scatter along the sequence under SP, all-reduce otherwise), so
+the norms, dropout and residual adds on sequence shards are compiled with the matmuls around them.
+FSDP's all-gathers and reduce-scatters stay outside the graphs (its hooks are added afterwards).
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def apply_compile(model: nn.Module) -> None:
+    """Compile every sublayer of `model` (a GPTModel or a pipeline stage of one) in place."""
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for layer in layers:
-        layer.compile(dynamic=False)
+        recomputed = "forward" in vars(layer)  # recompute wrapped its forward in a checkpoint
+        if recomputed and any(isinstance(p, DTensor) for p in layer.parameters()):
+            # a checkpoint inside a graph of DTensors fails at run time (PyTorch 2.13: AOTAutograd saves
+            # the mesh among the tensors), so the checkpoint stays eager around the compiled norm and mixer
+            layer.norm.compile(dynamic=False)
+            layer.mixer.compile(dynamic=False)
+        else:
+            layer.compile(dynamic=False)
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None and isinstance(embedding.weight, DTensor):
+        embedding.register_forward_hook(_own_storage)
+
+
+def _own_storage(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """The vocab-parallel embedding's output is `to_local()` of a DTensor: a view of the DTensor's local
+    shard. Fed as is to a compiled sublayer, its gradient skips that `to_local` backward and reaches
+    the all-reduce (or reduce-scatter) behind it as a plain tensor, which fails (PyTorch 2.13). One copy
+    of (batch, seq, hidden) per forward gives the sublayer an input that owns its storage."""
+    return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
