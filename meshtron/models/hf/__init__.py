@@ -5,9 +5,15 @@ Conversion reads and writes safetensors itself (no optional package); `transform
 (the `hf` extra) serve the tests as the reference.
 """
 
-from meshtron.models.hf.adapter import ConversionError, adapter_by_name, adapter_for_hf, supported_architectures
+from meshtron.models.hf.adapter import (
+    ConversionError,
+    adapter_by_name,
+    adapter_for_hf,
+    register_family,
+    supported_architectures,
+)
 from meshtron.models.hf.convert import hf_to_meshtron, meshtron_to_hf
 from meshtron.models.hf.init_weights import hf_model_config, init_model_from_hf, load_hf_weights
 
 __all__ = ["ConversionError", "adapter_by_name", "adapter_for_hf", "hf_model_config", "hf_to_meshtron",
-           "init_model_from_hf", "load_hf_weights", "meshtron_to_hf", "supported_architectures"]
+           "init_model_from_hf", "load_hf_weights", "meshtron_to_hf", "register_family", "supported_architectures"]

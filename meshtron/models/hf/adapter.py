@@ -5,6 +5,10 @@ tensor names relate to meshtron's parameter names. The relation is a list of `Te
 tensor equals the concatenation, along `dim`, of one or more meshtron tensors, optionally stored
 transposed (GPT-2's Conv1D keeps weights as (in, out)). Both directions read the same list, so what
 imports is exactly what exports.
+
+Families outside meshtron are added without editing it: `register_family(adapter)` in-process, or an
+installed distribution declaring an entry point `name = package.module:AdapterClass` (or an adapter
+instance) in group `meshtron.hf_families`, imported only when a conversion looks a family up.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from meshtron.config.registry import Registry
 from meshtron.config.schema import ModelConfig
 
 
@@ -102,7 +107,43 @@ def architecture_of(hf: dict[str, Any]) -> str:
     return str(hf.get("model_type", "<none>"))
 
 
+FAMILIES = Registry("architecture", "meshtron.hf_families", builtin=(),
+                    how_to_add="call meshtron.models.hf.register_family, or declare an entry point")
+
+
+def check_family_adapter(adapter: Any, name: str) -> None:
+    """Raise a one-line TypeError unless `adapter` has what a FamilyAdapter has."""
+    missing = [m for m in ("name", "architecture", "to_model_config", "to_hf_config", "tensor_maps", "ignored")
+               if not hasattr(adapter, m)]
+    if missing:
+        raise TypeError(f"family {name!r} ({type(adapter).__qualname__}) lacks {', '.join(missing)}: see "
+                        f"meshtron.models.hf.adapter.FamilyAdapter")
+
+
+def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
+    """Make a family adapter (an instance) convertible by its name and architecture; a registered family
+    replaces a built-in one of the same name."""
+    check_family_adapter(adapter, getattr(adapter, "name", "?"))
+    FAMILIES.register(adapter.name, adapter)
+    return adapter
+
+
+def _plugin_families() -> dict[str, FamilyAdapter]:
+    found = {}
+    for name in FAMILIES.names()[1]:
+        def check(obj: Any, n: str) -> None:
+            check_family_adapter(obj() if isinstance(obj, type) else obj, n)
+        try:
+            obj = FAMILIES.load(name, check)
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
+        found[name] = obj() if isinstance(obj, type) else obj
+        FAMILIES.register(name, found[name])
+    return found
+
+
 def adapters() -> dict[str, FamilyAdapter]:
+    """Every family by name: the built-in ones, then registered ones and entry points (which may replace them)."""
     from meshtron.models.hf.gpt2 import GPT2Adapter
     from meshtron.models.hf.llama import LLAMA_LIKE
     from meshtron.models.hf.mamba2 import Mamba2Adapter
@@ -114,6 +155,8 @@ def adapters() -> dict[str, FamilyAdapter]:
     table["mamba2"] = Mamba2Adapter()
     table["nemotron_h"] = NemotronHAdapter()
     table.update({a.name: a for a in MOE_FAMILIES})
+    table.update(FAMILIES.registered)
+    table.update(_plugin_families())
     return table
 
 
@@ -124,7 +167,7 @@ def supported_architectures() -> list[str]:
 def adapter_for_hf(hf: dict[str, Any]) -> FamilyAdapter:
     """The adapter of a config.json, by its architecture (or model_type when architectures is absent)."""
     arch = architecture_of(hf)
-    for adapter in adapters().values():
+    for adapter in reversed(adapters().values()):  # a registered family wins over a built-in one
         if arch in (adapter.architecture, adapter.name):
             return adapter
     raise ConversionError(f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}")
@@ -132,7 +175,7 @@ def adapter_for_hf(hf: dict[str, Any]) -> FamilyAdapter:
 
 def adapter_by_name(name: str) -> FamilyAdapter:
     table = adapters()
-    for adapter in table.values():
+    for adapter in reversed(table.values()):
         if name in (adapter.name, adapter.architecture):
             return adapter
     raise ConversionError(f"architecture {name!r} is not supported; supported: {', '.join(supported_architectures())}")
