@@ -120,13 +120,15 @@ def megatron_args(model, tied: bool, rotary_base=10000, max_len=64) -> argparse.
         attention_backend=AttnBackend.auto, params_dtype=torch.float32, seq_length=max_len)
 
 
-def save_megatron(model, save_dir: Path, args, iteration: int = 7) -> Path:
-    """What Megatron-LM's save_checkpoint writes for torch_dist: SAVE/iter_XXXXXXX + the tracker file."""
+def save_megatron(model, save_dir: Path, args, iteration: int = 7, per_layer: bool = False) -> Path:
+    """What Megatron-LM's save_checkpoint writes for torch_dist: SAVE/iter_XXXXXXX + the tracker file.
+    per_layer: keys `decoder.layers.<i>.*` (megatron's non-homogeneous layout) instead of stacked ones."""
     from megatron.core import dist_checkpointing
 
     step = save_dir / f"iter_{iteration:07d}"
     step.mkdir(parents=True)
-    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    sharded = model.sharded_state_dict(metadata={"non_homogeneous_layers": True} if per_layer else None)
+    state = {"model": sharded, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
     dist_checkpointing.save(state, str(step))
     (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return step

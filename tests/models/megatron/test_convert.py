@@ -113,6 +113,18 @@ def test_tied_embeddings_both_ways(saved, tmp_path):
 
 
 @pytest.mark.slow
+def test_per_layer_layout_is_read(saved, tmp_path):
+    """megatron's non-homogeneous layout: `decoder.layers.<i>.*` keys instead of tensors stacked over layers."""
+    model, _ = saved[False]
+    step = mh.save_megatron(model, tmp_path / "meg", mh.megatron_args(model, False), per_layer=True)
+    assert (tmp_path / "meg" / "latest_checkpointed_iteration.txt").exists()
+    from meshtron.models.megatron.dcp_files import MegatronCheckpoint
+
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in MegatronCheckpoint(step).sizes
+    check_logits(model, megatron_to_meshtron(tmp_path / "meg", tmp_path / "ckpt"))
+
+
+@pytest.mark.slow
 def test_meshtron_model_exported_gives_megatron_core_the_same_logits(megatron, tmp_path):
     """A model born in meshtron (GQA 4 heads / 2 groups, RMSNorm, SwiGLU, RoPE base 5e5), exported."""
     run = RunConfig()
