@@ -205,19 +205,29 @@ def meshtron_to_megatron(checkpoint: str | Path, output: str | Path) -> list[str
                     "(or --finetune)"]
 
 
+def stacked_layout(cfg: ModelConfig) -> bool:
+    """Whether megatron-core stacks this model's layers (all alike) or keys them per layer (dense and MoE mixed)."""
+    return len(set(cfg.pattern[1::2])) == 1
+
+
 def _extra_states(cfg: ModelConfig) -> dict[str, Any]:
-    """The `_extra_state` objects megatron-core's GPTModel saves (None: the local spec keeps nothing),
-    named as its ShardedObjects are: `/shard_<layer>_<layers>`, experts `/shard_<layer>.<expert>_<layers>.<experts>`."""
-    num_layers = cfg.pattern.count("*")
-    moe = "E" in cfg.pattern
-    per_layer = ATTENTION_EXTRA_STATE + ((SHARED_EXPERT_EXTRA_STATE if cfg.moe_shared_expert_intermediate_size else ())
-                                         if moe else DENSE_EXTRA_STATE)
-    objects: dict[str, Any] = {f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}_{num_layers}": None
-                               for module in per_layer for i in range(num_layers)}
-    if moe:
-        experts = cfg.num_moe_experts
-        objects.update({f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}": None
-                        for module in EXPERT_EXTRA_STATE for i in range(num_layers) for e in range(experts)})
+    """The `_extra_state` objects megatron-core's GPTModel saves (None: the local spec keeps nothing), named
+    as its ShardedObjects are: stacked `<key>/shard_<layer>_<layers>` (experts `shard_<layer>.<expert>_<layers>.<experts>`),
+    per layer `decoder.layers.<i>.<key>/shard_0_1` (experts `shard_<expert>_<experts>`)."""
+    num_layers, experts = cfg.pattern.count("*"), cfg.num_moe_experts or 0
+    shared = SHARED_EXPERT_EXTRA_STATE if cfg.moe_shared_expert_intermediate_size else ()
+    objects: dict[str, Any] = {}
+    for i, mlp in enumerate(cfg.pattern[1::2]):
+        modules = ATTENTION_EXTRA_STATE + (shared if mlp == "E" else DENSE_EXTRA_STATE)
+        expert_modules = EXPERT_EXTRA_STATE if mlp == "E" else ()
+        if stacked_layout(cfg):
+            objects.update({f"{LAYERS_PREFIX}{m}._extra_state/shard_{i}_{num_layers}": None for m in modules})
+            objects.update({f"{LAYERS_PREFIX}{m}._extra_state/shard_{i}.{e}_{num_layers}.{experts}": None
+                            for m in expert_modules for e in range(experts)})
+        else:
+            objects.update({f"{LAYERS_PREFIX}{i}.{m}._extra_state/shard_0_1": None for m in modules})
+            objects.update({f"{LAYERS_PREFIX}{i}.{m}._extra_state/shard_{e}_{experts}": None
+                            for m in expert_modules for e in range(experts)})
     return objects
 
 
@@ -237,6 +247,10 @@ def _tensors_out(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], tensors: 
 
         if maps[0].layer is None:
             outs.append(TensorOut(piece_name, per_layer, dtype, [((0,) * len(per_layer), per_layer, chunk(maps[0]))]))
+            continue
+        if not stacked_layout(cfg):
+            outs.extend(TensorOut(f"{LAYERS_PREFIX}{m.layer}.{piece_name}", per_layer, dtype,
+                                  [((0,) * len(per_layer), per_layer, chunk(m))]) for m in maps)
             continue
         assert [m.layer for m in maps] == list(range(num_layers)), piece_name
         outs.append(TensorOut(LAYERS_PREFIX + piece_name, (num_layers, *per_layer), dtype,

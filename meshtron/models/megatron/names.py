@@ -16,6 +16,7 @@ when it saves; the local names are read too. `linear_qkv` rows are grouped per q
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,8 +60,8 @@ ARGUMENTS: dict[str, tuple[str, str]] = {
     "attention_dropout": ("attention_dropout", ""),
     "hidden_dropout": ("hidden_dropout", ""),
     "init_method_std": ("init_method_std", ""),
-    "num_moe_experts": ("num_experts", "every layer MoE (moe_layer_freq 1) converts both ways"),
-    "moe_layer_freq": ("moe_layer_freq", "only 1 (every layer MoE) converts"),
+    "num_moe_experts": ("num_experts", ""),
+    "moe_layer_freq": ("moe_layer_freq", "an integer N (layers 0, N, 2N.. are MoE) or a 0/1 list per layer"),
     "moe_ffn_hidden_size": ("moe_ffn_hidden_size", ""),
     "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", ""),
     "moe_shared_expert_gate": ("moe_shared_expert_gate", ""),
@@ -150,10 +151,11 @@ def model_config_from_args(args: dict[str, Any], vocab_size: int) -> ModelConfig
 
 
 def _moe_fields(args: dict[str, Any]) -> dict[str, Any]:
-    freq = args.get("moe_layer_freq", 1)
-    if freq not in (1, None) and not (isinstance(freq, list) and all(f == 1 for f in freq)):
-        raise MegatronError(f"args.moe_layer_freq = {freq!r}: only every layer MoE (1) converts; mixed dense and MoE "
-                            "layers are not supported by this converter")
+    freq = args.get("moe_layer_freq") or 1
+    if not (type(freq) is int and freq >= 1) and not (isinstance(freq, list) and all(f in (0, 1) for f in freq)
+                                                       and len(freq) == args["num_layers"]):
+        raise MegatronError(f"args.moe_layer_freq = {freq!r}: give an integer >= 1 or a 0/1 list with one entry per "
+                            "layer")
     fields = {n: args[n] for n in _MOE_COPIED if args.get(n) is not None}
     balancing = args.get("moe_router_load_balancing_type") or "aux_loss"
     balancing = balancing[0] if isinstance(balancing, list) and len(set(balancing)) == 1 else balancing
@@ -163,7 +165,7 @@ def _moe_fields(args: dict[str, Any]) -> dict[str, Any]:
     router_dtype = args.get("moe_router_dtype")
     if router_dtype not in (None, "fp32"):
         raise MegatronError(f"args.moe_router_dtype = {router_dtype!r}: meshtron routes in fp32 or the input dtype")
-    fields.update(num_moe_experts=args["num_experts"], moe_layer_freq=1,
+    fields.update(num_moe_experts=args["num_experts"], moe_layer_freq=list(freq) if isinstance(freq, list) else freq,
                   moe_router_load_balancing_type="aux_loss" if balancing == "global_aux_loss" else balancing,
                   moe_router_dtype="input" if router_dtype is None else "fp32")
     return fields
@@ -183,7 +185,9 @@ def args_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
         ckpt_format="torch_dist", transformer_impl="local")
     if cfg.num_moe_experts and "E" in cfg.pattern:
         args.update({n: getattr(cfg, n) for n in _MOE_COPIED})
-        args.update(num_experts=cfg.num_moe_experts, moe_layer_freq=1, moe_ffn_hidden_size=cfg.moe_ffn_size,
+        moe_layers = [1 if s == "E" else 0 for s in cfg.pattern[1::2]]
+        args.update(num_experts=cfg.num_moe_experts, moe_ffn_hidden_size=cfg.moe_ffn_size,
+                    moe_layer_freq=1 if all(moe_layers) else moe_layers,
                     moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
                     moe_router_dtype=None if cfg.moe_router_dtype == "input" else "fp32")
     return args
@@ -191,15 +195,13 @@ def args_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def check_supported(cfg: ModelConfig) -> None:
     """The meshtron models this converter writes as Megatron GPTModel checkpoints; else one line naming the field."""
-    n = cfg.pattern.count("*")
 
     def need(ok: bool, field: str, value: Any, why: str) -> None:
         if not ok:
             raise MegatronError(f"model.{field} = {value!r}: a Megatron GPTModel checkpoint needs {why}")
 
-    need(cfg.pattern in ("*-" * n, "*E" * n), "layer_pattern", cfg.pattern, "attention and a dense MLP in every "
-         "layer ('*-' repeated) or attention and MoE in every layer ('*E'); mixed, Mamba and hybrid patterns do not "
-         "convert")
+    need(re.fullmatch(r"(\*[-E])+", cfg.pattern) is not None, "layer_pattern", cfg.pattern, "attention then a dense "
+         "MLP or MoE in every layer ('*-' and '*E' pairs); Mamba and other hybrid patterns do not convert")
     need(cfg.moe_router_type == "topk", "moe_router_type", cfg.moe_router_type, "the top-k router")
     need(not cfg.moe_router_add_bias, "moe_router_add_bias", True, "a router without a linear bias")
     need(not cfg.multi_latent_attention, "multi_latent_attention", True, "grouped-query attention")

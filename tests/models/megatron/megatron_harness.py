@@ -72,18 +72,20 @@ def build_gpt(tied: bool, vocab=128, max_len=64, rotary_base=10000, **shape):
                     share_embeddings_and_output_weights=tied)
 
 
-def build_moe_gpt(experts=4, topk=2, moe_ffn=48, shared=32, vocab=128, max_len=64, **shape):
-    """Every layer MoE (local spec: SequentialMLP experts, a shared expert), softmax top-k routing, the
-    allgather dispatcher (the alltoall one makes a CUDA stream); call inside cpu_megatron."""
+def build_moe_gpt(experts=4, topk=2, moe_ffn=48, shared=32, vocab=128, max_len=64, layer_freq=1, **shape):
+    """MoE layers (local spec: SequentialMLP experts, a shared expert), softmax top-k routing, the
+    allgather dispatcher (the alltoall one makes a CUDA stream); layer_freq as megatron's moe_layer_freq
+    (a list mixes dense and MoE layers); call inside cpu_megatron."""
     import dataclasses
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     cfg = dataclasses.replace(transformer_config(**shape), num_moe_experts=experts, moe_router_topk=topk,
                               moe_ffn_hidden_size=moe_ffn, moe_shared_expert_intermediate_size=shared,
-                              moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
-    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+                              moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_layer_freq=layer_freq)
+    spec = (get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm") if layer_freq == 1 else
+            get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"))
     return GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=max_len, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False)
 
@@ -94,7 +96,7 @@ def moe_args(model) -> argparse.Namespace:
     args = megatron_args(model, False)
     args.__dict__.update(
         num_experts=c.num_moe_experts, moe_router_topk=c.moe_router_topk, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size, moe_layer_freq=1,
+        moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size, moe_layer_freq=c.moe_layer_freq,
         moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=0.0, moe_router_dtype=None, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
         moe_shared_expert_gate=False, moe_router_enable_expert_bias=False)

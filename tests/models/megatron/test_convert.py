@@ -150,10 +150,12 @@ def test_meshtron_model_exported_gives_megatron_core_the_same_logits(megatron, t
 
 
 @pytest.mark.slow  # an MoE model saved, converted both ways (~20 s)
-def test_moe_layers_both_ways(megatron, tmp_path):
-    """Router, 4 experts (SequentialMLP, stacked on an expert axis on disk), a shared expert: logits and tensors."""
+@pytest.mark.parametrize("layer_freq, pattern", [(1, "*E*E"), ([0, 1], "*-*E")])
+def test_moe_layers_both_ways(megatron, tmp_path, layer_freq, pattern):
+    """Router, 4 experts (SequentialMLP, stacked on an expert axis on disk), a shared expert: logits and
+    tensors; every layer MoE (tensors stacked over layers) and dense + MoE (keyed per layer)."""
     torch.manual_seed(21)
-    model = mh.build_moe_gpt()
+    model = mh.build_moe_gpt(layer_freq=layer_freq)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layernorm" in name:
@@ -162,11 +164,11 @@ def test_moe_layers_both_ways(megatron, tmp_path):
     step_dir = megatron_to_meshtron(tmp_path / "meg", tmp_path / "ckpt")
     cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(step_dir))).model
     assert (cfg.pattern, cfg.num_moe_experts, cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_intermediate_size) == \
-        ("*E*E", 4, 48, 32)
+        (pattern, 4, 48, 32)
     check_logits(model, step_dir)
     meshtron_to_megatron(tmp_path / "ckpt", tmp_path / "back")
     torch.manual_seed(22)
-    fresh = mh.build_moe_gpt()
+    fresh = mh.build_moe_gpt(layer_freq=layer_freq)
     mh.load_megatron(fresh, tmp_path / "back" / "release")
     expected, got = mh.state_tensors(model), mh.state_tensors(fresh)
     assert expected.keys() == got.keys()
@@ -239,8 +241,8 @@ def test_checkpoint_contradicting_the_config_is_refused(saved, tmp_path, capsys,
 def test_unsupported_layer_types_in_args_are_refused(saved, tmp_path, capsys):
     model, _ = saved[False]
     args = vars(mh.megatron_args(model, False))
-    with pytest.raises(MegatronError, match="moe_layer_freq = \\[0, 1\\]: only every layer MoE"):
-        model_config_from_args({**args, "num_experts": 8, "moe_layer_freq": [0, 1]}, 128)
+    with pytest.raises(MegatronError, match="moe_layer_freq = \\[0, 1, 1\\]: give an integer >= 1 or a 0/1 list"):
+        model_config_from_args({**args, "num_experts": 8, "moe_layer_freq": [0, 1, 1]}, 128)
     with pytest.raises(MegatronError, match="multi_latent_attention = True"):
         model_config_from_args({**args, "multi_latent_attention": True}, 128)
     with pytest.raises(MegatronError, match="learned_absolute"):
