@@ -24,7 +24,8 @@ e.g. dp over dp_replicate x dp_shard), `nccl_options` (`ProcessGroupNCCL.Options
 to give a sub-group's NCCL communicator its own timeout), `default_store` (the TCPStore of the default
 group, for heartbeats), `storage_key` (`UntypedStorage._cdata`, the storage's identity even for fake or
 meta tensors), `tensor_version` (`Tensor._version`, bumped by every in-place write), `in_autograd_backward`
-(`torch._C._current_graph_task_id`), `fake_tensor_mode`, `tree_map` and `TorchDispatchMode` (private
+(`torch._C._current_graph_task_id`), `is_view` (`Tensor._base`), `recompile_limit` (dynamo's per-function
+limit of compiled variants), `fake_tensor_mode`, `tree_map` and `TorchDispatchMode` (private
 modules of torch that have no public home yet). `tests/test_private_torch.py` fails when a private
 PyTorch name is used anywhere else in meshtron.
 """
@@ -298,3 +299,13 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor's storage (autograd tracks it through its base)."""
+    return t._base is not None
+
+
+def recompile_limit(limit: int):
+    """A context in which torch.compile keeps up to `limit` compiled variants of a function (default 8)."""
+    return torch._dynamo.config.patch(recompile_limit=limit)

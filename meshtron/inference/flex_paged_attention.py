@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from meshtron.compat import recompile_limit
+
 # queries per BlockMask row tile: flex's default, a multiple of every tile its CUDA kernels use (a step of
 # fewer queries is one tile, widened at the call to what flex's decoding kernel needs: `_query_tile`)
 Q_BLOCK_SIZE = 128
@@ -205,7 +207,7 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             NO_WINDOW if window_size is None else window_size, _query_tile(q.shape[2], q.shape[1] // k.shape[1]),
             scale, cuda_kernel_options(bs) if q.is_cuda else None, sink_logits is not None)
     if compiled:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with recompile_limit(RECOMPILE_LIMIT):
             result = compiled_flex_call()(*args)
     else:
         with warnings.catch_warnings():  # the eager reference is chosen knowingly (CPU, tests)

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshtron.compat import is_view
+
 
 def apply_compile(model: nn.Module) -> None:
     """Compile every sublayer of `model` (a GPTModel or a pipeline stage of one) in place."""
@@ -36,4 +38,4 @@ def _own_storage(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Ten
     shard. Fed as is to a compiled sublayer, its gradient skips that `to_local` backward and reaches
     the all-reduce (or reduce-scatter) behind it as a plain tensor, which fails (PyTorch 2.13). One copy
     of (batch, seq, hidden) per forward gives the sublayer an input that owns its storage."""
-    return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
+    return out.clone() if isinstance(out, torch.Tensor) and is_view(out) else out

@@ -151,7 +151,7 @@ def _on_sharded_stream(module: nn.Module, rng: DropoutRNG) -> None:
     when the forward raises, so the replicated stream is always switched back."""
     stacks: list[Optional[ExitStack]] = []
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def enter(mod: nn.Module, args: Any) -> None:
         stack = None
         if mod.training:
@@ -159,7 +159,7 @@ def _on_sharded_stream(module: nn.Module, rng: DropoutRNG) -> None:
             stack.enter_context(rng.sharded())
         stacks.append(stack)
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def leave(mod: nn.Module, args: Any, output: Any) -> None:
         stack = stacks.pop() if stacks else None
         if stack is not None:
