@@ -51,14 +51,15 @@ def cpu_megatron(seed: int = 1234):
                 dist.destroy_process_group()
 
 
-def transformer_config(layers=2, hidden=64, heads=4, groups=2, ffn=96, eps=1e-5):
+def transformer_config(layers=2, hidden=64, heads=4, groups=2, ffn=96, eps=1e-5, **fields):
+    """fields: other TransformerConfig fields (e.g. normalization, add_bias_linear, qk_layernorm)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    base = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
     return TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                             num_query_groups=groups, ffn_hidden_size=ffn, normalization="RMSNorm",
-                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-                             layernorm_epsilon=eps, use_cpu_initialization=True, params_dtype=torch.float32,
-                             hidden_dropout=0.0, attention_dropout=0.0)
+                             num_query_groups=groups, ffn_hidden_size=ffn, layernorm_epsilon=eps,
+                             use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+                             attention_dropout=0.0, **{**base, **fields})
 
 
 def build_gpt(tied: bool, vocab=128, max_len=64, rotary_base=10000, **shape):
@@ -67,7 +68,8 @@ def build_gpt(tied: bool, vocab=128, max_len=64, rotary_base=10000, **shape):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     cfg = transformer_config(**shape)
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=vocab,
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm)
+    return GPTModel(cfg, spec, vocab_size=vocab,
                     max_sequence_length=max_len, position_embedding_type="rope", rotary_base=rotary_base,
                     share_embeddings_and_output_weights=tied)
 
@@ -97,9 +99,11 @@ def moe_args(model) -> argparse.Namespace:
     args.__dict__.update(
         num_experts=c.num_moe_experts, moe_router_topk=c.moe_router_topk, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size, moe_layer_freq=c.moe_layer_freq,
-        moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.0, moe_router_dtype=None, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-        moe_shared_expert_gate=False, moe_router_enable_expert_bias=False)
+        moe_router_score_function=c.moe_router_score_function, moe_router_pre_softmax=c.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_router_dtype=c.moe_router_dtype,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_shared_expert_gate=c.moe_shared_expert_gate,
+        moe_router_enable_expert_bias=c.moe_router_enable_expert_bias,
+        moe_router_topk_scaling_factor=c.moe_router_topk_scaling_factor)
     return args
 
 
@@ -115,8 +119,9 @@ def megatron_args(model, tied: bool, rotary_base=10000, max_len=64) -> argparse.
         kv_channels=c.kv_channels, ffn_hidden_size=c.ffn_hidden_size, padded_vocab_size=model.vocab_size,
         make_vocab_size_divisible_by=128, max_position_embeddings=max_len, position_embedding_type="rope",
         rotary_base=rotary_base, rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False,
-        normalization="RMSNorm", layernorm_epsilon=c.layernorm_epsilon, swiglu=True, squared_relu=False,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, untie_embeddings_and_output_weights=not tied,
+        normalization=c.normalization, layernorm_epsilon=c.layernorm_epsilon, swiglu=c.gated_linear_unit,
+        squared_relu=False, add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
+        qk_layernorm=c.qk_layernorm, untie_embeddings_and_output_weights=not tied,
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=0.02, num_experts=None,
         multi_latent_attention=False, mtp_num_layers=None, ckpt_format="torch_dist", transformer_impl="local",
         attention_backend=AttnBackend.auto, params_dtype=torch.float32, seq_length=max_len)

@@ -113,6 +113,30 @@ def test_tied_embeddings_both_ways(saved, tmp_path):
 
 
 @pytest.mark.slow
+def test_layernorm_gelu_biases_and_qk_layernorm_both_ways(megatron, tmp_path):
+    """The other dense options: LayerNorm (weights and biases), GeLU MLP, linear and q/k/v biases, QK-layernorm."""
+    torch.manual_seed(31)
+    shape = dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
+                 add_bias_linear=True, qk_layernorm=True)
+    model = mh.build_gpt(False, **shape)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so a swapped one would show
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    mh.save_megatron(model, tmp_path / "meg", mh.megatron_args(model, False))
+    step_dir = megatron_to_meshtron(tmp_path / "meg", tmp_path / "ckpt")
+    cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(step_dir))).model
+    assert (cfg.normalization, cfg.activation, cfg.add_bias_linear, cfg.qk_layernorm) == ("LayerNorm", "gelu", True, True)
+    check_logits(model, step_dir)
+    meshtron_to_megatron(tmp_path / "ckpt", tmp_path / "back")
+    torch.manual_seed(32)
+    fresh = mh.build_gpt(False, **shape)
+    mh.load_megatron(fresh, tmp_path / "back" / "release")
+    for name, tensor in mh.state_tensors(model).items():
+        assert torch.equal(tensor, mh.state_tensors(fresh)[name]), name
+
+
+@pytest.mark.slow
 def test_per_layer_layout_is_read(saved, tmp_path):
     """megatron's non-homogeneous layout: `decoder.layers.<i>.*` keys instead of tensors stacked over layers."""
     model, _ = saved[False]
@@ -174,6 +198,35 @@ def test_moe_layers_both_ways(megatron, tmp_path, layer_freq, pattern):
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.slow
+def test_moe_sigmoid_router_expert_bias_and_shared_expert_gate(megatron, tmp_path):
+    """DeepSeek-style routing: sigmoid scores, a per-expert bias for selection, scaled top-k weights; a gated
+    shared expert."""
+    torch.manual_seed(41)
+    options = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_topk_scaling_factor=2.5, moe_shared_expert_gate=True)
+    model = mh.build_moe_gpt(**options)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "gate_weight" in name:
+                p.add_(0.5 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn_like(b))  # large enough to change which experts are picked
+    mh.save_megatron(model, tmp_path / "meg", mh.moe_args(model))
+    step_dir = megatron_to_meshtron(tmp_path / "meg", tmp_path / "ckpt")
+    cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(step_dir))).model
+    assert (cfg.moe_router_score_function, cfg.moe_router_enable_expert_bias, cfg.moe_router_topk_scaling_factor,
+            cfg.moe_shared_expert_gate) == ("sigmoid", True, 2.5, True)
+    check_logits(model, step_dir)
+    meshtron_to_megatron(tmp_path / "ckpt", tmp_path / "back")
+    torch.manual_seed(42)
+    fresh = mh.build_moe_gpt(**options)
+    mh.load_megatron(fresh, tmp_path / "back" / "release")
+    for name, tensor in mh.state_tensors(model).items():
+        assert torch.equal(tensor, mh.state_tensors(fresh)[name]), name
 
 
 def test_qkv_layout_matches_megatron_core_split():
