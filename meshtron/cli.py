@@ -25,6 +25,8 @@ from meshtron.config.reference import Section
 from meshtron.inference.config import EngineConfig, add_engine_arguments
 from meshtron.inference.server_config import add_server_arguments
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 # Documented in docs/config.md after the run sections: the flags of `meshtron serve` and `generate`.
 ENGINE_SECTION = Section("engine", EngineConfig, "the inference engine behind `meshtron serve` and `meshtron generate`; "
                          "set on their command line", flag=lambda name: "--" + name.replace("_", "-"))

@@ -37,6 +37,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

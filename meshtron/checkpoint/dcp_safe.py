@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from meshtron.checkpoint.layout import CheckpointError, require_listed
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 DCP_METADATA = ".metadata"
 _DCP = "torch.distributed.checkpoint"
 # What DCP pickles into `.metadata` (checked against torch 2.13's FileSystemWriter): nothing here

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2  # 1 (no "format" key): {"files": {name: size}}; 2: {"files": {name: {"size", "sha256"}}}
 LATEST = "latest"

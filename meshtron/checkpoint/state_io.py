@@ -19,6 +19,8 @@ import torch
 
 from meshtron.checkpoint.layout import CheckpointError
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 TAGS = ("__tuple__", "__tensor__", "__ndarray__")

@@ -25,6 +25,8 @@ from meshtron.checkpoint.layout import (
 )
 from meshtron.checkpoint.state_io import write_trainer_state
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 LEGACY_STATE = "trainer_state.pt"
 
 

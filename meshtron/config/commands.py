@@ -18,6 +18,8 @@ from meshtron.config.fields import ConfigError
 from meshtron.config.loader import OneLineParser, add_config_arguments, config_to_dict, load_config, overrides_from_args
 from meshtron.config.reference import Section, config_diff, render_reference, run_sections, yaml_value
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 DEFAULT_OUTPUT = "docs/config.md"
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 DEFAULT_OUTPUT = Path("benchmarks/results/preprocess_throughput.json")
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 def description_hash(description: dict) -> str:
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]

@@ -15,6 +15,8 @@ from meshtron.config.fields import ConfigError
 from meshtron.config.schema import TokenizerConfig
 from meshtron.data.tokenizer import resolve_special_ids
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 # Pre-split regexes of two widely used byte-level BPE vocabularies (selectable by name).
 TIKTOKEN_PATTERNS = {
     "gpt2": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",

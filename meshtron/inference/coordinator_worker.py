@@ -24,6 +24,8 @@ import zmq
 
 from meshtron.inference.coordinator import pack, unpack
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 class RequestHandler(Protocol):
     def submit(self, req_id: str, payload: Any) -> None: ...

@@ -42,6 +42,8 @@ from meshtron.inference.config import EngineConfig
 from meshtron.inference.paged_context import PagedBatch, PagedContext, PagedKVCache, build_paged_batch
 from meshtron.inference.scheduler import ScheduledChunk
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 STATIC_FIELDS = ("positions", "write_slots", "key_blocks", "key_positions", "key_seq", "query_seq")
 
 

@@ -31,6 +31,8 @@ from meshtron.inference.native_attention import (
     unavailable_reason,
 )
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 log = logging.getLogger("meshtron.engine")
 _noticed: set[str] = set()
 

@@ -32,6 +32,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from meshtron.compat import recompile_limit
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 # queries per BlockMask row tile: flex's default, a multiple of every tile its CUDA kernels use (a step of
 # fewer queries is one tile, widened at the call to what flex's decoding kernel needs: `_query_tile`)
 Q_BLOCK_SIZE = 128

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor,
                            bias: torch.Tensor, scale: float) -> torch.Tensor:

@@ -27,6 +27,8 @@ from torch import nn
 
 from meshtron.nn.context import RecurrentState
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t

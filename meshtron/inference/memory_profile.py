@@ -18,6 +18,8 @@ from meshtron.inference.config import CPU_KV_CACHE_MB, EngineConfig
 from meshtron.inference.paged_context import PagedKVCache, build_paged_batch
 from meshtron.inference.scheduler import ScheduledChunk
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 class DeviceMemory(Protocol):
     def info(self) -> tuple[int, int]: ...  # (free, total) bytes of the device

@@ -32,6 +32,8 @@ import torch
 
 from meshtron.config.fields import ConfigError
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"]
 _library: Optional[ctypes.CDLL] = None

@@ -32,6 +32,8 @@ import torch
 
 from meshtron.inference.scheduler import ScheduledChunk
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 class PagedKVCache:
     """Per-layer key and value tensors (num_blocks + 1, block_size, kv_heads, dim), allocated on first

@@ -23,6 +23,8 @@ from meshtron.inference.outputs import RequestOutput
 from meshtron.inference.request import SamplingParams, TokenLogProbs
 from meshtron.inference.server_logprobs import MIN_LOG_PROB, finite_log_prob, legacy_log_probs  # noqa: F401
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 # A JSON number (an integer is fine) that is finite; never a bool or a string.
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 

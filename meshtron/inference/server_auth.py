@@ -12,6 +12,8 @@ from typing import Optional
 
 from starlette.responses import Response
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 API_KEY_ENV = "MESHTRON_API_KEY"
 # Probes (load balancers, Kubernetes) must reach these without a key; they reveal only the status.
 OPEN_PATHS = frozenset({"/health", "/v1/health"})

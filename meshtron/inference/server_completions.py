@@ -34,6 +34,8 @@ from meshtron.inference.server_limits import check_chat, check_completion, check
 from meshtron.inference.server_logprobs import EchoedPrompt, TokenTexts, legacy_log_probs, prompt_log_probs
 from meshtron.inference.server_streams import Run, client_closed, sse, stream_error
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 if TYPE_CHECKING:
     from meshtron.inference.server import ServerState
 

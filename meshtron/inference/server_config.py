@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from meshtron.config.fields import ConfigError, option
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 @dataclass(kw_only=True)
 class ServerConfig:

@@ -21,6 +21,8 @@ from meshtron.inference.metrics import ServerMetrics
 from meshtron.inference.protocol import ApiError, error_body, validation_error
 from meshtron.inference.request import InvalidRequestError
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 logger = logging.getLogger("meshtron.server")
 
 

@@ -10,6 +10,8 @@ from typing import Any
 from meshtron.inference.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from meshtron.inference.server_config import ServerConfig
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes); send a smaller request",

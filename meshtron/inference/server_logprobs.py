@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from meshtron.inference.request import TokenLogProbs
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 MIN_LOG_PROB = -9999.0
 
 

@@ -22,6 +22,8 @@ from meshtron.inference.outputs import RequestOutput
 from meshtron.inference.protocol import error_body
 from meshtron.inference.request import Request as EngineRequest
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 DISCONNECT_POLL_S = 0.25
 # What the access log shows for an answer nobody received (nginx's "client closed request").
 CLIENT_CLOSED = 499

@@ -39,6 +39,8 @@ from meshtron.inference.scheduler import ScheduledChunk
 from meshtron.nn.attention_core import sink_attention
 from meshtron.nn.context import RecurrentState
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 # A decode joins the current bucket while its context needs at least this share of the bucket's
 # longest context (in blocks): at most 1 - ratio of a bucket's key reads are padding.
 BUCKET_RATIO = 0.75

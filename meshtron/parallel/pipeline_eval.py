@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

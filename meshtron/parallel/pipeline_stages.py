@@ -24,6 +24,8 @@ from torch import nn
 from meshtron.config.fields import ConfigError
 from meshtron.nn.context import PackedContext
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 def split_layers(num_sublayers: int, num_stages: int, first: Optional[int] = None,
                  last: Optional[int] = None) -> list[range]:

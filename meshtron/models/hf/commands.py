@@ -14,6 +14,8 @@ import functools
 import re
 import sys
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 
 def _user_errors(handler):
     @functools.wraps(handler)

@@ -30,6 +30,8 @@ from meshtron.checkpoint.dcp_safe import load_dcp, read_dcp_metadata, single_pro
 from meshtron.checkpoint.layout import fsync_dir, resolve_checkpoint, step_dir_name, verify_checkpoint, write_manifest
 from meshtron.checkpoint.state_io import write_trainer_state
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 MODEL_PREFIX = "model."
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+__meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
