@@ -329,6 +329,61 @@ def check_offload(ctx: Context) -> Outcome:
     return Outcome("pass" if ok else "fail", value, "all host copies pinned; resume peak within 10% of fresh")
 
 
+def naive_attention(q, k, v, allowed: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """float64 masked softmax with a sink column per head: the reference for the flex checks."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    logits = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sink = sinks.double().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, sink], -1).softmax(-1)[..., :-1] @ v
+
+
+def check_flex_training(ctx: Context) -> Outcome:
+    """Training attention through FlexAttention (packed documents, a sliding window, learnable sinks, GQA):
+    the output and q's gradient against a float64 loop; `auto` must choose flex on CUDA. Forward only on a
+    CPU (PyTorch 2.13 has no CPU backward for flex)."""
+    from meshtron.nn.flex_attention import build_block_mask, flex_attend, use_flex
+
+    cuda = ctx.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    seq, heads, kv_heads, window = (64, 4, 2, 24) if ctx.tiny else (2048, 16, 4, 512)
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, seq, 64, device=ctx.device, dtype=dtype, requires_grad=cuda)
+    k, v = (torch.randn(1, kv_heads, seq, 64, device=ctx.device, dtype=dtype) for _ in range(2))
+    sinks = torch.randn(heads, device=ctx.device)
+    docs = (torch.arange(seq, device=ctx.device) * 3 // seq)[None]  # three packed documents
+    positions = torch.arange(seq, device=ctx.device)[None]
+    out = flex_attend(q, k, v, build_block_mask(positions, docs, window), scale=64 ** -0.5, sink_logits=sinks)
+    i, j = positions[0][:, None], positions[0][None, :]
+    allowed = (j <= i) & (i - j < window) & (docs[0][:, None] == docs[0][None, :])
+    reference = naive_attention(q.detach(), k, v, allowed, sinks)
+    value: dict[str, Any] = {"auto_picks_flex": use_flex("auto", q, masked=True, sinks=True, dropout=0.0),
+                             "max_abs_err": (out.double() - reference).abs().max().item()}
+    if cuda:
+        out.float().square().sum().backward()
+        q64 = q.detach().double().requires_grad_(True)
+        naive_attention(q64, k, v, allowed, sinks).square().sum().backward()
+        value["grad_rel_err"] = ((q.grad.double() - q64.grad).norm() / q64.grad.norm()).item()
+    tol = 2e-2 if cuda else 1e-4
+    ok = value["max_abs_err"] < tol and value.get("grad_rel_err", 0.0) < 2e-2 and value["auto_picks_flex"] == cuda
+    return Outcome("pass" if ok else "fail", value, f"{str(dtype)[6:]}, documents + window + sinks + GQA")
+
+
+def check_flex_paged(ctx: Context) -> Outcome:
+    """The engine's decode attention: `auto` (FlexAttention over the paged cache on CUDA) gives the greedy
+    tokens of `gather` (gather + SDPA) on the same weights."""
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    auto = build_engine(ctx, dtype) if ctx.device.type == "cuda" else build_engine(ctx, dtype, decode_attention="flex")
+    gather = build_engine(ctx, dtype, decode_attention="gather")
+    gather.runner.model.load_state_dict(auto.runner.model.state_dict())
+    new = 8 if ctx.tiny else 32
+    a, b = greedy(auto, PROMPTS, new), greedy(gather, PROMPTS, new)
+    choice = auto.runner.decode_attention_choice
+    ok = a == b and (choice == "flex")
+    return Outcome("pass" if ok else "fail", {"choice": choice, "equal": a == b}, f"greedy, {new} tokens")
+
+
 def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from meshtron.inference.request import SamplingParams
 
@@ -422,7 +477,7 @@ CHECKS: dict[str, Callable[[Context], Outcome]] = {
     "bf16_parity": check_bf16_parity, "gpt2_throughput": check_throughput, "moe_grouped": check_moe_grouped,
     "offload": check_offload, "engine_vs_transformers": check_engine_vs_transformers,
     "cuda_graphs": check_cuda_graphs, "decode_bandwidth": check_decode_bandwidth,
-    "checkpoint_resume": check_checkpoint_resume,
+    "checkpoint_resume": check_checkpoint_resume, "flex_training": check_flex_training, "flex_paged": check_flex_paged,
 }
 
 

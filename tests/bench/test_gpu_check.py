@@ -123,3 +123,13 @@ def test_datasheet_from_the_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert gpu_check.datasheet(torch.device("cuda")) == (989.4e12, 3350e9)
     assert gpu_check.datasheet(torch.device("cpu")) is None
+
+
+def test_flex_checks_on_cpu(ctx):
+    # the flex checks' code at tiny shapes: training flex (forward; CPU has no flex backward) against the
+    # float64 loop, and the engine with decode_attention flex against gather
+    training = run_check("flex_training", CHECKS["flex_training"], ctx)
+    assert training.status == "pass", training
+    assert training.value["auto_picks_flex"] is False and training.value["max_abs_err"] < 1e-4
+    paged = run_check("flex_paged", CHECKS["flex_paged"], ctx)
+    assert paged.status == "pass" and paged.value == {"choice": "flex", "equal": True}, paged
