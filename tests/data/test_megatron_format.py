@@ -252,3 +252,29 @@ def test_info_and_merge_accept_both_formats(tmp_path, capsys):
     assert [d.tolist() for d in read_with_megatron(tmp_path / "ab")] == docs_of(merged)
     assert commands.main(["data", "info", str(tmp_path / "ab")]) == 0
     assert "format megatron, with sidecar, dtype uint16, vocab_size 50" in capsys.readouterr().out
+
+
+def test_multimodal_index_reads_its_sequences(tmp_path):
+    """A multimodal .idx ends with one int8 mode per sequence after the document indices; the tokens read
+    the same (the modes are not used)."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    docs = [[1, 2, 3], [4, 5], [6]]
+    builder = IndexedDatasetBuilder(str(tmp_path / "mm.bin"), dtype=np.uint16, multimodal=True)
+    for k, d in enumerate(docs):
+        builder.add_item(torch.tensor(d), mode=k % 2)
+        builder.end_document()
+    builder.finalize(str(tmp_path / "mm.idx"))
+    assert docs_of(IndexedDataset(tmp_path / "mm")) == docs
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    write_with_megatron(tmp_path / "m", [[1, 2], [3]], np.uint16)
+    argv = ["data", "convert", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "o"), "--format", "meshtron"]
+    assert commands.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give --vocab-size N or --tokenizer" in err
+    assert commands.main(argv[:-4] + ["--output", str(tmp_path / "m"), "--format", "megatron"]) == 2
+    assert "is the input prefix" in capsys.readouterr().err
+    assert not list(tmp_path.glob("o.*"))
