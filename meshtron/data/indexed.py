@@ -399,6 +399,10 @@ def merge_datasets(prefixes: list[str], output_prefix: str | Path, *, verify: bo
     if not prefixes:
         raise IndexedDatasetError("data merge: give at least one input prefix")
     first = IndexedDataset(prefixes[0])
+    if first.vocab_size is None and format == "meshtron":
+        raise IndexedDatasetError(f"--format: {prefixes[0]} records no vocabulary size (Megatron's format without a "
+                                  "sidecar), which meshtron's format needs; merge in Megatron's format, or first run "
+                                  f"`meshtron data convert --input {prefixes[0]} --output NEW --format megatron --vocab-size N`")
     writer = IndexedDatasetWriter(output_prefix, first.vocab_size, format or first.format, dtype=first.dtype)
     try:
         for prefix in prefixes:

@@ -250,6 +250,9 @@ def test_info_and_merge_accept_both_formats(tmp_path, capsys):
     merged = IndexedDataset(tmp_path / "ab")
     assert merged.format == "megatron" and docs_of(merged) == [[1, 2, 3], [4], [5, 6], [7, 8, 9]]
     assert [d.tolist() for d in read_with_megatron(tmp_path / "ab")] == docs_of(merged)
+    assert commands.main(["data", "merge", "--input", str(tmp_path / "b"), "--output-prefix", str(tmp_path / "bm"),
+                          "--format", "meshtron"]) == 2
+    assert "records no vocabulary size" in capsys.readouterr().err and not list(tmp_path.glob("bm.*"))
     assert commands.main(["data", "info", str(tmp_path / "ab")]) == 0
     assert "format megatron, with sidecar, dtype uint16, vocab_size 50" in capsys.readouterr().out
 
