@@ -1,6 +1,7 @@
 """Hybrid layer patterns: the sublayer symbols, and a pattern derived from target ratios.
 
-A hybrid model is one residual sublayer per symbol ('M' Mamba, '*' attention, '-' MLP, 'E' MoE).
+A model is one residual sublayer per symbol of `LAYER_SYMBOLS`, the one list of them: models/blocks.py
+maps each to its mixer and size, parallel/tensor_parallel.py to its tensor-parallel plan.
 `pattern_from_ratios(n, attention_ratio, mlp_ratio)` spreads round(n * attention_ratio) attention
 sublayers and round(n * mlp_ratio) MLP sublayers evenly over n slots and fills the rest with
 Mamba. Attention goes first, each at the middle of its 1/k-th of the stack (so the stack starts
@@ -11,6 +12,8 @@ A given pattern string overrides the derivation (`check_pattern` validates it).
 from __future__ import annotations
 
 from meshtron.config.fields import ConfigError
+
+LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP", "M": "Mamba-2", "E": "mixture of experts"}
 
 
 def _evenly(slots: list[int], count: int) -> list[int]:
@@ -31,7 +34,7 @@ def pattern_from_ratios(num_sublayers: int, attention_ratio: float, mlp_ratio: f
     return "".join(symbols)
 
 
-def check_pattern(pattern: str, symbols: dict[str, str], field: str = "model.layer_pattern") -> None:
+def check_pattern(pattern: str, symbols: dict[str, str] = LAYER_SYMBOLS, field: str = "model.layer_pattern") -> None:
     """One-line ConfigError for an empty pattern or one with symbols outside `symbols`."""
     allowed = ", ".join(f"'{s}' {n}" for s, n in symbols.items())
     if not pattern:

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from meshtron.config.fields import ConfigError, check, option
-from meshtron.config.hybrid import check_pattern, pattern_from_ratios
+from meshtron.config.hybrid import LAYER_SYMBOLS, check_pattern, pattern_from_ratios
 from meshtron.config.registry import ROUTER_REGISTRY
-
-LAYER_SYMBOLS = {"*": "attention", "-": "dense MLP", "M": "Mamba-2", "E": "mixture of experts"}
 
 
 @dataclass(kw_only=True)

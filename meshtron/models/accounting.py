@@ -1,7 +1,8 @@
 """Closed forms of a `GPTModel`: its parameter count and its training FLOPs per token.
 
 Both are sums over the pattern of per-sublayer terms, written from the layer definitions (not by
-walking a built model) so the tests can hold them against an actual model for every option.
+walking a built model) so the tests can hold them against an actual model for every option. The
+registry models/blocks.py:SUBLAYERS picks each symbol's terms.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def moe_matmul_params(cfg: ModelConfig, active: bool) -> int:
     return total
 
 
+def moe_active_matmul_params(cfg: ModelConfig) -> int:
+    return moe_matmul_params(cfg, active=True)
+
+
 def moe_params(cfg: ModelConfig) -> int:
     """All parameters of one MoE mixer (expert biases follow add_bias_linear, like the dense MLP)."""
     total = moe_matmul_params(cfg, active=False)
@@ -118,18 +123,10 @@ def mamba_scan_flops(cfg: ModelConfig, seq_length: int) -> float:
     return 3.0 * (conv + 2 * chunk * g * n + 2 * chunk * h * p + 4 * h * p * n)
 
 
-def _sublayer_params(cfg: ModelConfig, symbol: str) -> int:
-    return {"*": attention_params, "-": mlp_params, "M": mamba_params, "E": moe_params}[symbol](cfg)
-
-
-def _sublayer_matmul_params(cfg: ModelConfig, symbol: str) -> int:
-    if symbol == "E":
-        return moe_matmul_params(cfg, active=True)
-    return {"*": attention_matmul_params, "-": mlp_matmul_params, "M": mamba_matmul_params}[symbol](cfg)
-
-
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     """Closed-form parameter count of `GPTModel(cfg, vocab_size)` (vocab already padded or not)."""
+    from meshtron.models.blocks import SUBLAYERS  # it imports this module's closed forms
+
     v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
     d = cfg.hidden_size
     norm = _norm(cfg, d)
@@ -140,7 +137,7 @@ def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     if not cfg.tie_word_embeddings:
         total += v * d
     for s in cfg.pattern:
-        total += norm + _sublayer_params(cfg, s)
+        total += norm + SUBLAYERS[s].params(cfg)
     # each MTP depth: two input norms, the 2d -> d projection, an attention and an MLP sublayer, a final norm
     total += cfg.mtp_num_layers * (2 * norm + 2 * d * d + (norm + attn) + (norm + mlp) + norm)
     return total
@@ -166,10 +163,12 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_length: int) -> float
     (`mamba_scan_flops`). MTP depths add their projection, sublayers and one more pass through the
     output head.
     """
+    from meshtron.models.blocks import SUBLAYERS
+
     v = padded_vocab_size(cfg.vocab_size or vocab_size, cfg.make_vocab_size_divisible_by)
     d = cfg.hidden_size
     attn_w, mlp_w = attention_matmul_params(cfg), mlp_matmul_params(cfg)
-    matmul_params = v * d + sum(_sublayer_matmul_params(cfg, s) for s in cfg.pattern)
+    matmul_params = v * d + sum(SUBLAYERS[s].matmul_params(cfg) for s in cfg.pattern)
     matmul_params += cfg.mtp_num_layers * (2 * d * d + attn_w + mlp_w + v * d)
     flops = 6.0 * matmul_params + cfg.pattern.count("M") * mamba_scan_flops(cfg, seq_length)
     for i in range(cfg.pattern.count("*")):

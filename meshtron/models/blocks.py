@@ -1,16 +1,20 @@
-"""Residual sublayers: x = x + dropout(f(norm(x), ctx)) for one symbol of the layer pattern, and the
-builder that turns a `ModelConfig` into the mixer f ('*' attention: GQA or multi-latent; '-' MLP;
-'M' Mamba-2; 'E' mixture of experts).
+"""Residual sublayers: x = x + dropout(f(norm(x), ctx)) for one symbol of the layer pattern, and
+`SUBLAYERS`, the registry of what each symbol of config.hybrid.LAYER_SYMBOLS means: the builder of its
+mixer f ('*' attention: GQA or multi-latent; '-' MLP; 'M' Mamba-2; 'E' mixture of experts) and the
+closed forms of its size (models/accounting.py). Its tensor-parallel plan is parallel/'s, keyed alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
 from meshtron.config.schema import ModelConfig
+from meshtron.models import accounting
 from meshtron.nn.attention import Attention
 from meshtron.nn.context import MixerContext
 from meshtron.nn.mamba import Mamba2Mixer
@@ -38,13 +42,14 @@ def build_attention(cfg: ModelConfig, layer_id: int, window_size: Optional[int])
                      softmax_scale=attention_softmax_scale(cfg, cfg.head_dim), **common)
 
 
-def build_mlp(cfg: ModelConfig) -> nn.Module:
+def build_mlp(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+    """An MLP keeps no cache and has no window: `layer_id` and `window_size` are unused."""
     return MLP(cfg.hidden_size, cfg.ffn_size, cfg.activation, bias=cfg.add_bias_linear,
                clamp_value=cfg.activation_func_clamp_value, linear_offset=cfg.glu_linear_offset)
 
 
-def build_mamba(cfg: ModelConfig, layer_id: int) -> nn.Module:
-    """`layer_id` keys the layer's conv and SSM state at inference time."""
+def build_mamba(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+    """`layer_id` keys the layer's conv and SSM state at inference time (no window)."""
     return Mamba2Mixer(
         cfg.hidden_size, cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim,
         layer_id=layer_id, conv_kernel=cfg.mamba_conv_kernel, conv_bias=cfg.mamba_conv_bias,
@@ -54,23 +59,39 @@ def build_mamba(cfg: ModelConfig, layer_id: int) -> nn.Module:
         recompute_scan=cfg.mamba_recompute_scan)
 
 
+def build_moe(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+    """Routed experts keep no cache and have no window: `layer_id` and `window_size` are unused."""
+    return MoELayer(cfg)
+
+
+@dataclass(frozen=True)
+class SublayerKind:
+    """What one pattern symbol means. `build(cfg, layer_id, window_size)` makes its mixer; `params(cfg)`
+    counts the mixer's parameters and `matmul_params(cfg)` the matmul weights one token runs through
+    (of a MoE mixer the router, shared and top-k experts): the memory and FLOP accounting."""
+    build: Callable[[ModelConfig, int, Optional[int]], nn.Module]
+    params: Callable[[ModelConfig], int]
+    matmul_params: Callable[[ModelConfig], int]
+
+
+SUBLAYERS: dict[str, SublayerKind] = {
+    "*": SublayerKind(build_attention, accounting.attention_params, accounting.attention_matmul_params),
+    "-": SublayerKind(build_mlp, accounting.mlp_params, accounting.mlp_matmul_params),
+    "M": SublayerKind(build_mamba, accounting.mamba_params, accounting.mamba_matmul_params),
+    "E": SublayerKind(build_moe, accounting.moe_params, accounting.moe_active_matmul_params),
+}
+
+
 class Sublayer(nn.Module):
-    """Pre-norm residual wrapper around one mixer ('*' attention, '-' MLP, 'M' Mamba-2 or 'E' MoE)."""
+    """Pre-norm residual wrapper around the mixer of one `SUBLAYERS` symbol."""
 
     def __init__(self, symbol: str, cfg: ModelConfig, layer_id: int, window_size: Optional[int] = None):
         super().__init__()
+        if symbol not in SUBLAYERS:
+            raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}; use one of {', '.join(map(repr, SUBLAYERS))}")
         self.symbol = symbol
         self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
-        if symbol == "*":
-            self.mixer: nn.Module = build_attention(cfg, layer_id, window_size)
-        elif symbol == "-":
-            self.mixer = build_mlp(cfg)
-        elif symbol == "M":
-            self.mixer = build_mamba(cfg, layer_id)
-        elif symbol == "E":
-            self.mixer = MoELayer(cfg)
-        else:
-            raise ValueError(f"model.layer_pattern: unknown symbol {symbol!r}")
+        self.mixer: nn.Module = SUBLAYERS[symbol].build(cfg, layer_id, window_size)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Memory plan of a parallel layout from the config alone: parameter, gradient, optimizer-state and
 activation bytes per pipeline rank, computed on the meta device and fake tensors (no allocation).
 
-Parameters come from a meta-device model and the sharding rules of `apply_tp` and `apply_fsdp`;
+Parameters come from a meta-device model, the placements of the ParallelStyle objects `apply_tp`
+applies (`tp_placements`) and the sharding rules of `apply_fsdp`;
 activations from tracing the tensors autograd saves for backward during one fake forward of the
 rank's sublayers, then scaling them by the layout and the pipeline schedule (see `estimate_memory`).
 """
@@ -18,7 +19,16 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from meshtron.compat import fake_tensor_mode, storage_key
 from meshtron.config.fields import ConfigError
@@ -29,19 +39,9 @@ from meshtron.nn.context import PackedContext
 from meshtron.nn.moe.experts import GroupedExperts
 from meshtron.parallel.activation_checkpoint import SELECTIVE
 from meshtron.parallel.dims import ParallelDims
+from meshtron.parallel.tensor_parallel import ShardParameters, check_tp_divisibility, tp_plan
 
 FP32_BYTES = 4  # parameters, gradients and optimizer states are fp32 in every precision (bf16 only casts compute)
-
-# Tensor-parallel sharding, the rules of `tensor_parallel.apply_tp`: column-parallel Linear layers
-# split their output features (weight and bias dim 0), row-parallel ones their input features
-# (weight dim 1; the bias is replicated), the embeddings split the vocabulary (rows) and learnable
-# sink logits the heads, Mamba's per-head and per-channel parameters (conv, A_log, D, dt_bias, its
-# gated norm) their heads. Sublayer norms and anything else are replicated.
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up", "z_proj", "x_proj", "b_proj", "c_proj", "dt_proj")
-ROW_PARALLEL = ("wo", "w_down", "out_proj")
-MAMBA_BY_HEAD = ("A_log", "D", "dt_bias")
-MAMBA_BY_CHANNEL = ("conv_x", "conv_b", "conv_c", "norm")
-
 
 # ---- counting saved tensors ---------------------------------------------------------------------
 
@@ -149,27 +149,47 @@ def microbatches_in_flight(cfg: RunConfig, dims: ParallelDims, pp_rank: int, num
 
 # ---- parameters -----------------------------------------------------------------------------------
 
-def tp_shard_dim(name: str, module: nn.Module) -> Optional[int]:
-    """The dim of parameter `name` (e.g. 'layers.3.mixer.wq.weight') split over tp, or None."""
-    parts = name.split(".")
-    owner, leaf = parts[-2] if len(parts) > 1 else "", parts[-1]
-    top_level = len(parts) == 2
-    if top_level and owner in ("embedding", "position_embedding"):
-        return 0  # vocabulary-parallel (rows)
-    if top_level and owner == "output":
-        return 0  # column-parallel over the vocabulary
-    if owner == "mixer" and leaf == "sinks":
-        return 0  # learnable sink logits belong to query heads: split by head like wq
-    if owner == "mixer" and leaf in MAMBA_BY_HEAD:
-        return 0
-    if len(parts) >= 3 and parts[-3] == "mixer" and owner in MAMBA_BY_CHANNEL:
-        return 0
-    if len(parts) >= 3 and parts[-3] in ("mixer", "shared_experts") and isinstance(module, nn.Linear):
-        if owner in COLUMN_PARALLEL:
-            return 0
-        if owner in ROW_PARALLEL and leaf == "weight":
-            return 1
-    return None
+def style_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]:
+    """The tp placement `style` gives each parameter of `module`, torch's rules: ColwiseParallel splits a
+    Linear's output features (weight and bias Shard(0)) and an Embedding's columns (Shard(1));
+    RowwiseParallel a Linear's input features (weight Shard(1), bias Replicate) and an Embedding's rows
+    (Shard(0)); SequenceParallel replicates every parameter; the Prepare* styles own none."""
+    params = dict(module.named_parameters())
+    if isinstance(style, ColwiseParallel):
+        return {n: Shard(1) if isinstance(module, nn.Embedding) else Shard(0) for n in params}
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return {n: Shard(0) for n in params}
+        return {n: Shard(1) if n == "weight" else Replicate() for n in params}
+    if isinstance(style, SequenceParallel):
+        return dict.fromkeys(params, Replicate())
+    if isinstance(style, ShardParameters):
+        return {n: p for n, p in style.placements.items() if n in params}
+    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+        return {}
+    raise TypeError(f"no placement rule for {type(style).__name__}; add one to style_placements")
+
+
+def tp_placements(model: nn.Module, *, sequence_parallel: bool = False,
+                  loss_parallel: bool = False) -> dict[str, Placement]:
+    """name -> tp placement of every parameter `apply_tp` makes a DTensor, read off the same
+    `tp_plan`; parameters not named stay plain, whole tensors."""
+    out = {}
+    for path, style in tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel):
+        for name, placement in style_placements(style, model.get_submodule(path)).items():
+            out[f"{path}.{name}"] = placement
+    return out
+
+
+def tp_local_shape(shape: torch.Size, placement: Optional[Placement], tp: int, rank: int) -> tuple[int, ...]:
+    """The shape tp rank `rank` holds: DTensor's Shard(d) gives each rank ceil(n / tp) of dim d in order,
+    the last ones what is left (possibly nothing)."""
+    local = list(shape)
+    if isinstance(placement, Shard):
+        d = placement.dim % len(local)
+        chunk = math.ceil(local[d] / tp)
+        local[d] = max(0, min(local[d], (rank + 1) * chunk) - rank * chunk)
+    return tuple(local)
 
 
 def local_numel(shape: torch.Size, tp_dim: Optional[int], tp: int, fsdp: int) -> int:
@@ -210,6 +230,7 @@ def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims,
     """(name, local elements, local gradient elements) of every parameter a pipeline rank holds;
     `etp`: expert tensor parallelism (with tp > 1)."""
     owners = dict(model.named_modules())
+    placements = tp_placements(model) if dims.tp > 1 else {}
     fsdp = dims.dp_shard * dims.cp  # HSDP replicates over dp_replicate
     out = []
     for name, p in _chunk_parameters(model, chunks):
@@ -218,7 +239,8 @@ def rank_parameters(model: nn.Module, chunks: list[Chunk], dims: ParallelDims,
             numel = expert_local_numel(name, p.shape, dims, etp)
             out.append((name, numel, numel))
             continue
-        dim = tp_shard_dim(name, owner) if dims.tp > 1 else None
+        placement = placements.get(name)
+        dim = placement.dim if isinstance(placement, Shard) else None
         numel = local_numel(p.shape, dim, dims.tp, fsdp)
         # Measured: DTensor's backward of a vocabulary-parallel embedding returns a Replicate
         # gradient of the whole table on every TP rank; only FSDP's reduce-scatter shards it again.
@@ -427,15 +449,31 @@ def num_microbatches(cfg: RunConfig, dims: ParallelDims) -> int:
     return t.global_batch_size // (t.micro_batch_size * dims.dp)
 
 
+def parameter_layout(cfg: RunConfig, world_size: int, tp_rank: int = 0) -> list[dict[str, Any]]:
+    """One row per parameter of the model: name, shape, tp placement (None: a plain, whole tensor) and
+    tp_local_shape, what tp rank `tp_rank` holds after `apply_tp` (before FSDP and expert parallelism)."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    with torch.device("meta"):
+        model = GPTModel(cfg.model, vocab_size(cfg))
+    placements = {}
+    if dims.tp > 1:
+        check_tp_divisibility(model, dims.tp)
+        placements = tp_placements(model, sequence_parallel=cfg.parallel.sequence_parallel,
+                                   loss_parallel=cfg.parallel.loss_parallel)
+    return [{"name": name, "shape": tuple(p.shape), "tp_placement": placements.get(name),
+             "tp_local_shape": tp_local_shape(p.shape, placements.get(name), dims.tp, tp_rank)}
+            for name, p in model.named_parameters()]
+
+
 def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
     """Bytes per pipeline rank (one dict per rank role; one without a pipeline), from the config alone.
 
     With t = tp, f = dp_shard * cp (FSDP's shard degree), b = micro-batch size, s = sequence length,
     m = micro-batches per step and pipeline = global_batch / (b * dp_replicate * dp_shard):
       params      = 4 * sum over the rank's parameters of ceil(rows_t / f) * rest_t, where the
-                    TP-local shape splits column-parallel weights (wq, wk, wv, w_gate, w_up, output)
-                    on dim 0, row-parallel ones (wo, w_down) on dim 1, embeddings on the vocabulary,
-                    and replicates norms and row-parallel biases; FSDP pads dim 0 (ceil).
+                    TP-local shape is read off `tp_placements` (the ParallelStyles apply_tp applies:
+                    column-parallel weights split on dim 0, row-parallel ones on dim 1, embeddings on
+                    the vocabulary, norms and row-parallel biases whole); FSDP pads dim 0 (ceil).
                     Under expert parallelism a routed expert weight (experts, ...) holds experts / ep
                     of them, split over dp_shard * cp / ep more (dim 0 if even, else dim 1), and is
                     not split over tp unless expert_tensor_parallel (then its ffn width / tp); the
@@ -467,8 +505,6 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
     with torch.device("meta"):
         full = GPTModel(cfg.model, vocab)
     if dims.tp > 1:
-        from meshtron.parallel.tensor_parallel import check_tp_divisibility
-
         check_tp_divisibility(full, dims.tp)
     etp = cfg.parallel.expert_tensor_parallel and dims.tp > 1
     if dims.ep > 1 or etp:

@@ -1,6 +1,7 @@
-"""The `meshtron plan` verb: print the per-rank memory estimate of a layout from the config alone.
+"""The `meshtron plan` verb: print the per-rank memory estimate of a layout from the config alone,
+and with --parameters each parameter's tensor-parallel placement and local shape.
 
-    meshtron plan --config C --world-size N [--section.field value ...]
+    meshtron plan --config C --world-size N [--parameters] [--section.field value ...]
 
 `register(subparsers)` adds it to the main CLI. A configuration error prints one line to stderr and
 returns 2.
@@ -31,6 +32,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_parameters(rows: list[dict[str, Any]]) -> str:
+    """One line per parameter: name, shape, tp placement ('-': a plain whole tensor), tp rank 0's shape."""
+    width = max(len(r["name"]) for r in rows)
+    lines = [f"{'parameter':<{width}}  {'shape':<16}  {'tp placement':<14}  tp rank 0 shape"]
+    for r in rows:
+        shape, local = "x".join(map(str, r["shape"])), "x".join(map(str, r["tp_local_shape"]))
+        lines.append(f"{r['name']:<{width}}  {shape:<16}  {str(r['tp_placement'] or '-'):<14}  {local}")
+    return "\n".join(lines)
+
+
 def describe_layout(cfg, world_size: int) -> str:
     from meshtron.parallel.dims import ParallelDims
 
@@ -45,13 +56,14 @@ def describe_layout(cfg, world_size: int) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from meshtron.parallel.plan import estimate_memory
+    from meshtron.parallel.plan import estimate_memory, parameter_layout
 
     try:
         if args.world_size < 1:
             raise ConfigError(f"--world-size: {args.world_size} is not allowed; must be >= 1")
         cfg = load_config(args.config, overrides_from_args(args), world_size=args.world_size)
         rows = estimate_memory(cfg, args.world_size)
+        params = parameter_layout(cfg, args.world_size) if args.parameters else None
         layout = describe_layout(cfg, args.world_size)
     except ValueError as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -62,6 +74,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{cfg.optimizer.type}, {t.precision}; parameters per rank: "
           + ", ".join(f"stage {r['stage']} {r['num_params'] / 1e6:.2f}M" for r in rows))
     print(format_table(rows))
+    if params is not None:
+        print(format_parameters(params))
     return 0
 
 
@@ -71,6 +85,8 @@ def register(subparsers) -> None:
                                  description="Estimate parameter, gradient, optimizer-state and activation memory "
                                  "per pipeline rank from the config alone (meta device, nothing allocated).")
     plan.add_argument("--world-size", type=int, required=True, help="number of processes the layout runs on")
+    plan.add_argument("--parameters", action="store_true",
+                      help="also print every parameter's tensor-parallel placement and tp rank 0's local shape")
     add_config_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 

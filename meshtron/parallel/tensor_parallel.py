@@ -22,18 +22,24 @@ Math, with t = tp degree:
   over the `ep` axis instead (parallel/expert_parallel.py), so router and experts need no tp
   communication; the shared experts are column/row-parallel like the MLP. Under SP the sublayer's input
   is all-gathered and its (replicated) output split along the sequence, each rank keeping its part.
+
+Each sublayer symbol's plan is a function in `TP_PLANS` (keyed like models/blocks.py:SUBLAYERS) that
+returns (path, ParallelStyle) pairs; `tp_plan(model, ...)` lists them for a whole model. `apply_tp`
+applies exactly that list, and `meshtron plan` reads each parameter's placement off the same list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -43,9 +49,76 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.config.fields import ConfigError
 
+Plan = list[tuple[str, ParallelStyle]]  # (submodule path, "" for the module itself; its style), applied in order
+
+
+class ShardParameters(ParallelStyle):
+    """Distribute a module's named parameters (its own, or its children's by dotted name) with the given
+    placements, e.g. Mamba's per-head A_log as Shard(0). No hook: the module computes on local shards."""
+
+    def __init__(self, placements: dict[str, Placement]):
+        super().__init__()
+        self.placements = placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in self.placements.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            param = getattr(owner, leaf)
+            if param is not None:
+                setattr(owner, leaf, nn.Parameter(distribute_tensor(param.data, device_mesh, [placement])))
+        return module
+
+
+def _gather_input(seq: Placement) -> Plan:
+    """Under SP the mixer's input (batch, seq/t, hidden) is all-gathered along the sequence."""
+    if seq == Replicate():
+        return []
+    return [("", PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)))]
+
+
+def attention_plan(mixer: nn.Module, seq: Placement) -> Plan:
+    plan = _gather_input(seq) + [("wq", ColwiseParallel()), ("wk", ColwiseParallel()), ("wv", ColwiseParallel()),
+                                 ("wo", RowwiseParallel(output_layouts=seq))]
+    if getattr(mixer, "sinks", None) is not None:
+        # learnable sink logits belong to query heads: split them by head like Wq's columns
+        plan.append(("", ShardParameters({"sinks": Shard(0)})))
+    return plan
+
+
+def mlp_plan(mixer: nn.Module, seq: Placement, output: Placement | None = None) -> Plan:
+    gate = [("w_gate", ColwiseParallel())] if mixer.w_gate is not None else []
+    return gate + [("w_up", ColwiseParallel()), ("w_down", RowwiseParallel(output_layouts=output or seq))]
+
+
 # Mamba-2 parameters that belong to heads or channels, split by dim 0 like the projections that feed them
 MAMBA_SHARDED = ("A_log", "D", "dt_bias", "norm.weight", "conv_x.weight", "conv_x.bias", "conv_b.weight",
                  "conv_b.bias", "conv_c.weight", "conv_c.bias")
+
+
+def mamba_plan(mixer: nn.Module, seq: Placement) -> Plan:
+    projections = [(f"{p}_proj", ColwiseParallel()) for p in ("z", "x", "b", "c", "dt")]
+    by_channel = ShardParameters(dict.fromkeys(MAMBA_SHARDED, Shard(0)))
+    return _gather_input(seq) + projections + [("out_proj", RowwiseParallel(output_layouts=seq)), ("", by_channel)]
+
+
+def moe_plan(mixer: nn.Module, seq: Placement) -> Plan:
+    """Router and routed experts stay whole here (expert parallelism splits the experts)."""
+    plan: Plan = []
+    if seq != Replicate():
+        plan.append(("", PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)))
+    if mixer.shared_experts is not None:
+        plan += [(f"shared_experts.{path}", style)
+                 for path, style in mlp_plan(mixer.shared_experts, seq, output=Replicate())]
+    return plan
+
+
+# symbol -> the plan of its mixer given the layout of the sublayer's activations (Shard(1) under SP)
+TP_PLANS: dict[str, Callable[[nn.Module, Placement], Plan]] = {
+    "*": attention_plan, "-": mlp_plan, "M": mamba_plan, "E": moe_plan,
+}
 
 
 def check_tp_divisibility(model: nn.Module, tp: int) -> None:
@@ -69,32 +142,40 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
                           "set parallel.tp 1 (use FSDP/PP/CP to scale it)")
 
 
+def sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
+    """The plan of one `Sublayer`: its norm (SP: replicated weight, sequence-split activations) and mixer."""
+    if layer.symbol not in TP_PLANS:
+        raise ConfigError(f"parallel.tp: sublayer '{layer.symbol}' has no tensor-parallel plan")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm = [("norm", SequenceParallel())] if sequence_parallel else []
+    return norm + [(f"mixer.{path}".rstrip("."), style) for path, style in TP_PLANS[layer.symbol](layer.mixer, seq)]
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> Plan:
+    """Every (path, style) of `model` (a GPTModel or a pipeline stage of one), in the order applied."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: Plan = []
+    for name in ("embedding", "position_embedding"):
+        if getattr(model, name, None) is not None:
+            plan.append((name, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)))
+    if getattr(model, "final_norm", None) is not None and sequence_parallel:
+        plan.append(("final_norm", SequenceParallel()))
+    if getattr(model, "output", None) is not None:
+        plan.append(("output", ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel
+                                               else Replicate(), use_local_output=not loss_parallel)))
+    for key, layer in model.layers.named_children():
+        plan += [(f"layers.{key}.{path}", style) for path, style in sublayer_plan(layer, sequence_parallel)]
+    return plan
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard `model` (a GPTModel or a pipeline stage of one) over `tp_mesh` in place."""
     check_tp_divisibility(model, tp_mesh.size())
-    seq = Shard(1) if sequence_parallel else Replicate()
-    top: dict[str, object] = {}
-    if getattr(model, "embedding", None) is not None:
-        top["embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if getattr(model, "position_embedding", None) is not None:
-        top["position_embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if getattr(model, "final_norm", None) is not None and sequence_parallel:
-        top["final_norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                        use_local_output=not loss_parallel)
-    if top:
-        parallelize_module(model, tp_mesh, top)
+    for path, style in tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel):
+        parallelize_module(model.get_submodule(path), tp_mesh, style)
     if getattr(model, "output", "absent") is None and getattr(model, "embedding", None) is not None:
         # tied embeddings: the head multiplies by this rank's rows of the (vocab-parallel) embedding
         model.head = partial(_tied_vocab_parallel_head, model, tp_mesh, loss_parallel)
-    for layer in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
-        parallelize_module(layer, tp_mesh, _sublayer_plan(layer, sequence_parallel))
-        if getattr(layer.mixer, "sinks", None) is not None:
-            # learnable sink logits belong to query heads: split them by head like Wq's columns
-            layer.mixer.sinks = nn.Parameter(distribute_tensor(layer.mixer.sinks.data, tp_mesh, [Shard(0)]))
-        if layer.symbol == "M":
-            _shard_by_channel(layer.mixer, tp_mesh)
 
 
 def _tied_vocab_parallel_head(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
@@ -110,44 +191,3 @@ def _tied_vocab_parallel_head(model: nn.Module, tp_mesh: DeviceMesh, loss_parall
     if loss_parallel:
         return logits  # (batch, seq, vocab) sharded along the vocabulary: vocab-parallel cross-entropy
     return logits.redistribute(tp_mesh, [Replicate()]).to_local()
-
-
-def _shard_by_channel(mixer: nn.Module, tp_mesh: DeviceMesh) -> None:
-    for name in MAMBA_SHARDED:
-        owner_name, _, leaf = name.rpartition(".")
-        owner = mixer.get_submodule(owner_name) if owner_name else mixer
-        param = getattr(owner, leaf)
-        if param is not None:
-            setattr(owner, leaf, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)])))
-
-
-def _sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, object]:
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, object] = {}
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-        plan["mixer"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-    if layer.symbol == "*":
-        plan.update({"mixer.wq": ColwiseParallel(), "mixer.wk": ColwiseParallel(), "mixer.wv": ColwiseParallel(),
-                     "mixer.wo": RowwiseParallel(output_layouts=seq)})
-    elif layer.symbol == "-":
-        if layer.mixer.w_gate is not None:
-            plan["mixer.w_gate"] = ColwiseParallel()
-        plan.update({"mixer.w_up": ColwiseParallel(), "mixer.w_down": RowwiseParallel(output_layouts=seq)})
-    elif layer.symbol == "M":
-        plan.update({f"mixer.{p}_proj": ColwiseParallel() for p in ("z", "x", "b", "c", "dt")})
-        plan["mixer.out_proj"] = RowwiseParallel(output_layouts=seq)
-    elif layer.symbol == "E":
-        if sequence_parallel:
-            plan["mixer"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
-                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)
-        shared = layer.mixer.shared_experts
-        if shared is not None:
-            if shared.w_gate is not None:
-                plan["mixer.shared_experts.w_gate"] = ColwiseParallel()
-            plan.update({"mixer.shared_experts.w_up": ColwiseParallel(),
-                         "mixer.shared_experts.w_down": RowwiseParallel()})
-    else:
-        raise ConfigError(f"parallel.tp: sublayer '{layer.symbol}' has no tensor-parallel plan")
-    return plan
