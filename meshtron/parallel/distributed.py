@@ -98,6 +98,45 @@ def group_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (each rank used the input for a share)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Sum over the group forward; identity backward (what follows is replicated over the group)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` as is; its gradient summed over `group` (Megatron's copy to the tensor-parallel region)."""
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` summed over `group`; the gradient passed through as is (Megatron's reduce from the region)."""
+    return _ReduceFromGroup.apply(x, group)
+
+
 def all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
     """Sum a tensor over a process group (a no-op for a group of one)."""
     if group is not None and dist.get_world_size(group) > 1:

@@ -45,6 +45,7 @@ from meshtron.compat import grouped_mm_row_alignment
 from meshtron.config.fields import ConfigError
 from meshtron.nn.moe.balance import moe_layers
 from meshtron.nn.moe.dispatcher import LocalDispatcher, LocalHandle, permute, unpermute
+from meshtron.parallel.distributed import copy_to_group, reduce_from_group
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
@@ -216,35 +217,6 @@ DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 # ---- applying it -----------------------------------------------------------------------------------
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the tp ranks (each holds a share of the ffn)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Sum over the tp ranks forward; identity backward (what follows is replicated over tp)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 class ExpertTensorParallelDispatcher:
     """Expert tensor parallelism around another dispatcher: each tp rank holds 1/tp of every expert's
     ffn width (w_gate, w_up split along their output rows, w_down along its input columns), sees the same
@@ -261,10 +233,10 @@ class ExpertTensorParallelDispatcher:
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, row_bound=None):
         rows, tokens_per_expert, handle = self.inner.dispatch(tokens, probs, routing_map, row_bound=row_bound)
-        return _CopyToTensorParallel.apply(rows, self.tp_group), tokens_per_expert, handle
+        return copy_to_group(rows, self.tp_group), tokens_per_expert, handle
 
     def combine(self, expert_output: torch.Tensor, handle) -> torch.Tensor:
-        return self.inner.combine(_ReduceFromTensorParallel.apply(expert_output, self.tp_group), handle)
+        return self.inner.combine(reduce_from_group(expert_output, self.tp_group), handle)
 
 
 # ---- applying it -----------------------------------------------------------------------------------

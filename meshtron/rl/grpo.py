@@ -21,6 +21,7 @@ from meshtron.nn.context import PackedContext
 from meshtron.nn.moe.replay import clear_replay
 from meshtron.parallel.clip import clip_grad_norm_
 from meshtron.parallel.distributed import group_device
+from meshtron.parallel.loss import vocab_parallel_log_probs
 from meshtron.rl.loss import (
     PolicyLossConfig,
     clip_rewards,
@@ -33,7 +34,6 @@ from meshtron.rl.loss import (
 from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
 from meshtron.rl.replay import replay_routing
 from meshtron.rl.rollout import Rollout
-from meshtron.rl.tensor_parallel import vocab_parallel_log_probs
 from meshtron.training.precision import autocast
 
 SUM_STATS = ("tokens", "clipped_low", "clipped_high", "ratio", "is_weight", "kl", "entropy", "logprob_gap")

@@ -11,6 +11,8 @@ probabilities, from one of several backends.
 - `TransformersBackend` (optional): a Hugging Face causal LM's `generate`;
   `MirroredTransformersBackend` keeps such a model a copy of the trained meshtron model.
 - `CoordinatorBackend`: data-parallel engines behind `meshtron.inference.coordinator`.
+- `TensorParallelEngineBackend`: `EngineBackend` on a tensor-parallel model: the TP group's leader
+  runs the engine and the others follow its forwards (`meshtron.inference.tp_serving`).
 `build_backend` makes the one `rl.backend` names. Every backend takes `meshtron.inference.request.SamplingParams`; log probs are those of the
 distribution sampled from (temperature applied), the quantity the GRPO ratio needs.
 """
@@ -20,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import json
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Optional, Protocol, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshtron.inference.request import SamplingParams
 
@@ -101,6 +105,67 @@ class EngineBackend:
 
     def resume(self) -> None:
         self.engine.resume()
+
+
+@contextlib.contextmanager
+def gathered_logits(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, the model's vocabulary-sharded logits come out whole (the engine samples from them)."""
+    def gather(module, args, out):
+        return out.full_tensor() if isinstance(out, DTensor) else out
+
+    handle = model.register_forward_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class TensorParallelEngineBackend:
+    """Rollouts from a tensor-parallel model (logits sharded over the vocabulary, as the trainer wants
+    them): every rank of the `TPGroup` `tp` builds an engine on its shard (each caches its own heads);
+    the group's leader schedules and samples (logits gathered), announcing each step, on which the
+    others run the same forward; then it sends them the generations, so every rank trains on the same
+    rollouts. Suspend/resume run on every rank locally (each frees its own shard of the KV cache)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config, tp, record_routing: bool = False):
+        self.model, self.tp = model, tp
+        # the leader records MoE routing; the followers' routers see the same replicated inputs
+        self.inner = EngineBackend(model, tokenizer, config, record_routing=record_routing)
+        self.engine, self.recorder = self.inner.engine, self.inner.recorder
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        from meshtron.inference.tp_serving import Leader, follow
+
+        self.resume()
+        result: Any = None
+        with gathered_logits(self.model):
+            if self.tp.is_leader:
+                self.engine.step_hook = leader = Leader(self.tp)
+                try:
+                    result = self.inner.generate(prompts, sampling)
+                except Exception as e:  # the followers must not wait for generations that never come
+                    result = RuntimeError(f"tensor-parallel rollout failed on the leader: {type(e).__name__}: {e}")
+                finally:
+                    self.engine.step_hook = None
+                    leader("stop")
+            else:
+                was_training = self.model.training
+                self.model.eval()
+                try:
+                    follow(self.engine.runner, self.tp)
+                finally:
+                    self.model.train(was_training)
+        result = self.tp.broadcast(result)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def suspend(self) -> None:
+        self.engine.suspend()
+
+    def resume(self) -> None:
+        if self.engine.is_suspended:
+            self.engine.resume()
 
 
 class OpenAIBackend:

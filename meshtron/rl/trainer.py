@@ -6,8 +6,8 @@ optionally warm up on demonstrations, then repeat
 Under torchrun every data-parallel replica generates its share of the prompts with its own engine,
 and the gradients are summed over replicas (the loss carries global normalisers), so the weights
 stay identical. With parallel.tp > 1 a replica is a TP group holding one sharded model: its rank 0
-runs the engine on the sharded model, the others follow its forwards, every rank trains on the same
-rollouts with vocabulary-parallel log probs (`meshtron.rl.tensor_parallel`). With parallel.pp > 1 a
+leads the engine on the sharded model, the others follow its forwards (`TensorParallelEngineBackend`);
+every rank trains on the same rollouts with vocabulary-parallel log probs. With parallel.pp > 1 a
 replica is a pipeline: it trains through the pipeline schedules, and every pp rank keeps the whole
 model for rollouts, synced from the stages' owners before each rollout phase; the pp ranks split
 the replica's prompts and share their rollouts (`meshtron.rl.pipeline`). Context and expert
@@ -203,12 +203,13 @@ class GRPOTrainer:
             self.sync_replica()
 
     def _tensor_parallel_backend(self) -> InferenceBackend:
+        from meshtron.inference.tp_serving import TPGroup
+        from meshtron.rl.inference import TensorParallelEngineBackend
         from meshtron.rl.replay import has_routers
-        from meshtron.rl.tensor_parallel import TensorParallelEngineBackend
 
-        rl = self.cfg.rl
+        rl = self.cfg.rl  # the TP group's rank 0 leads; no pings: the group carries the model's collectives too
         return TensorParallelEngineBackend(self.model, self.tokenizer, engine_config(self.cfg, self.device),
-                                           self.tp_group, leader_rank=self.dp_rank * self.tp,
+                                           TPGroup(self.tp_group, leader=0),
                                            record_routing=rl.router_replay and has_routers(self.model))
 
     # ---- phases --------------------------------------------------------------------------------
