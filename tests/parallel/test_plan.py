@@ -271,3 +271,17 @@ def test_plan_command_config_errors_exit_2_in_one_line(tiny_yaml, capsys, argv, 
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
 
+
+
+def test_plan_command_lists_parameter_placements(tiny_yaml, capsys):
+    from meshtron.cli import main
+
+    assert main(["plan", "--config", str(tiny_yaml), "--world-size", "2", "--parallel.tp", "2", "--parameters"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith(
+        ("layers.0.", "layers.1.", "embedding"))}
+    # Megatron's layout of the TINY model: Wo row-parallel (32 x 4*8 -> 32 x 16), W_up column-parallel,
+    # the vocabulary split by rows, sublayer norms replicated under sequence parallelism
+    assert rows["layers.0.mixer.wo.weight"] == ["32x32", "S(1)", "32x16"]
+    assert rows["layers.1.mixer.w_up.weight"] == ["64x32", "S(0)", "32x32"]
+    assert rows["embedding.weight"] == ["384x32", "S(0)", "192x32"]
+    assert rows["layers.0.norm.weight"] == ["32", "R", "32"]
