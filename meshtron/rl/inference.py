@@ -120,52 +120,45 @@ def gathered_logits(model: torch.nn.Module) -> Iterator[None]:
         handle.remove()
 
 
-class TensorParallelEngineBackend:
-    """Rollouts from a tensor-parallel model (logits sharded over the vocabulary, as the trainer wants
-    them): every rank of the `TPGroup` `tp` builds an engine on its shard (each caches its own heads);
-    the group's leader schedules and samples (logits gathered), announcing each step, on which the
-    others run the same forward; then it sends them the generations, so every rank trains on the same
-    rollouts. Suspend/resume run on every rank locally (each frees its own shard of the KV cache)."""
+class TensorParallelEngineBackend(EngineBackend):
+    """`EngineBackend` on a tensor-parallel model (logits sharded over the vocabulary, as the trainer
+    wants them): every rank of the `TPGroup` `tp` has an engine on its shard (each caches its own
+    heads); the group's leader schedules and samples (logits gathered), announcing each step, on which
+    the others run the same forward (`tp_serving.follow`); then it sends them the generations, so every
+    rank trains on the same rollouts. The leader records MoE routing (the followers' routers see the
+    same inputs). Suspend/resume run on every rank locally (each frees its own shard of the KV cache)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, config, tp, record_routing: bool = False):
-        self.model, self.tp = model, tp
-        # the leader records MoE routing; the followers' routers see the same replicated inputs
-        self.inner = EngineBackend(model, tokenizer, config, record_routing=record_routing)
-        self.engine, self.recorder = self.inner.engine, self.inner.recorder
+        super().__init__(model, tokenizer, config, record_routing=record_routing)
+        self.tp = tp
 
     def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
         from meshtron.inference.tp_serving import Leader, follow
 
-        self.resume()
         result: Any = None
-        with gathered_logits(self.model):
-            if self.tp.is_leader:
-                self.engine.step_hook = leader = Leader(self.tp)
-                try:
-                    result = self.inner.generate(prompts, sampling)
-                except Exception as e:  # the followers must not wait for generations that never come
-                    result = RuntimeError(f"tensor-parallel rollout failed on the leader: {type(e).__name__}: {e}")
-                finally:
-                    self.engine.step_hook = None
-                    leader("stop")
-            else:
-                was_training = self.model.training
-                self.model.eval()
-                try:
+        if self.tp.is_leader:
+            self.engine.step_hook = leader = Leader(self.tp)
+            try:
+                with gathered_logits(self.model):
+                    result = super().generate(prompts, sampling)
+            except Exception as e:  # the followers must not wait for generations that never come
+                result = RuntimeError(f"tensor-parallel rollout failed on the leader: {type(e).__name__}: {e}")
+            finally:
+                self.engine.step_hook = None
+                leader("stop")
+        else:
+            self.resume()
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with gathered_logits(self.model):
                     follow(self.engine.runner, self.tp)
-                finally:
-                    self.model.train(was_training)
+            finally:
+                self.model.train(was_training)
         result = self.tp.broadcast(result)
         if isinstance(result, Exception):
             raise result
         return result
-
-    def suspend(self) -> None:
-        self.engine.suspend()
-
-    def resume(self) -> None:
-        if self.engine.is_suspended:
-            self.engine.resume()
 
 
 class OpenAIBackend:
