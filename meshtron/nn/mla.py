@@ -59,7 +59,10 @@ class MultiLatentAttention(nn.Module):
     def sink_logits(self, q: torch.Tensor) -> Optional[torch.Tensor]:
         if self.softmax_type == "vanilla":
             return None
-        return self.sinks if self.sinks is not None else q.new_zeros(q.shape[1], dtype=torch.float32)
+        if self.sinks is None:
+            return q.new_zeros(q.shape[1], dtype=torch.float32)
+        # Under tensor parallelism the sinks are split by head like the queries: use this rank's share.
+        return self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
 
     def forward(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
         batch, seq, _ = x.shape

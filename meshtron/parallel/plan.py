@@ -39,7 +39,7 @@ from meshtron.nn.context import PackedContext
 from meshtron.nn.moe.experts import GroupedExperts
 from meshtron.parallel.activation_checkpoint import SELECTIVE
 from meshtron.parallel.dims import ParallelDims
-from meshtron.parallel.tensor_parallel import ShardParameters, check_tp_divisibility, tp_plan
+from meshtron.parallel.tensor_parallel import ShardParameters, SumGradOfLastFeatures, check_tp_divisibility, tp_plan
 
 FP32_BYTES = 4  # parameters, gradients and optimizer states are fp32 in every precision (bf16 only casts compute)
 
@@ -153,7 +153,8 @@ def style_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Place
     """The tp placement `style` gives each parameter of `module`, torch's rules: ColwiseParallel splits a
     Linear's output features (weight and bias Shard(0)) and an Embedding's columns (Shard(1));
     RowwiseParallel a Linear's input features (weight Shard(1), bias Replicate) and an Embedding's rows
-    (Shard(0)); SequenceParallel replicates every parameter; the Prepare* styles own none."""
+    (Shard(0)); SequenceParallel replicates every parameter; the Prepare* styles and the gradient hook
+    own none."""
     params = dict(module.named_parameters())
     if isinstance(style, ColwiseParallel):
         return {n: Shard(1) if isinstance(module, nn.Embedding) else Shard(0) for n in params}
@@ -165,7 +166,7 @@ def style_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Place
         return dict.fromkeys(params, Replicate())
     if isinstance(style, ShardParameters):
         return {n: p for n, p in style.placements.items() if n in params}
-    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, SumGradOfLastFeatures)):
         return {}
     raise TypeError(f"no placement rule for {type(style).__name__}; add one to style_placements")
 

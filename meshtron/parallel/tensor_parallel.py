@@ -6,6 +6,11 @@ Math, with t = tp degree:
   or reduce-scattered along the sequence under SP). Backward mirrors it (all-reduce of the input
   gradient of the column-parallel layers, or all-gather/reduce-scatter under SP).
 - MLP: W_gate, W_up column-parallel; W_down row-parallel (same collectives as attention).
+- Multi-latent attention: the up-projections to heads (W_q or W_qb, W_kvb) column-parallel, W_o
+  row-parallel; the down-projections to the latents (W_qa, W_kva) and their norms run whole on every
+  rank. The latents' gradients arrive summed through the column-parallel inputs; the RoPE key k_r (the
+  tail of W_kva's output, shared by all heads) is differentiated through local heads only, so its
+  gradient is all-reduced in backward (`SumGradOfLastFeatures`).
 - Mamba-2: the z, x, B, C and dt projections are column-parallel (each rank owns heads/t heads and
   the groups/t groups of B and C those heads read); the conv weights of x, B, C, the per-head
   A_log, D, dt_bias and the gated norm's weight are split the same way (Shard(0)), so the conv,
@@ -48,6 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtron.config.fields import ConfigError
+from meshtron.nn.mla import MultiLatentAttention
+from meshtron.parallel.distributed import copy_to_group
 
 Plan = list[tuple[str, ParallelStyle]]  # (submodule path, "" for the module itself; its style), applied in order
 
@@ -70,18 +77,53 @@ class ShardParameters(ParallelStyle):
         return module
 
 
-def _gather_input(seq: Placement) -> Plan:
+class SumGradOfLastFeatures(ParallelStyle):
+    """Identity forward on the module's output; in backward the gradient of its last `width` features
+    is summed over the tp ranks (Megatron's copy to the tensor-parallel region). MLA's W_kva ends with
+    k_r, the RoPE key dims all heads share, which each rank differentiates through its own heads only."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group, width = device_mesh.get_group(), self.width
+
+        def shared_tail(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            return torch.cat([out[..., :-width], copy_to_group(out[..., -width:], group)], dim=-1)
+
+        module.register_forward_hook(shared_tail)
+        return module
+
+
+def _gather_input(seq: Placement, use_local_output: bool = False) -> Plan:
     """Under SP the mixer's input (batch, seq/t, hidden) is all-gathered along the sequence."""
     if seq == Replicate():
         return []
-    return [("", PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)))]
+    return [("", PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                    use_local_output=use_local_output))]
 
 
 def attention_plan(mixer: nn.Module, seq: Placement) -> Plan:
+    if isinstance(mixer, MultiLatentAttention):
+        return mla_plan(mixer, seq)
     plan = _gather_input(seq) + [("wq", ColwiseParallel()), ("wk", ColwiseParallel()), ("wv", ColwiseParallel()),
                                  ("wo", RowwiseParallel(output_layouts=seq))]
     if getattr(mixer, "sinks", None) is not None:
         # learnable sink logits belong to query heads: split them by head like Wq's columns
+        plan.append(("", ShardParameters({"sinks": Shard(0)})))
+    return plan
+
+
+def mla_plan(mixer: MultiLatentAttention, seq: Placement) -> Plan:
+    """The up-projections to heads (W_q or W_qb, W_kvb) column-parallel, W_o row-parallel; the
+    down-projections to the latents (W_qa, W_kva) and their norms stay whole on every rank (their
+    outputs' gradients arrive summed: through the column-parallel inputs, and for k_r by its hook)."""
+    query = [("wq", ColwiseParallel())] if mixer.wq is not None else [("wq_b", ColwiseParallel())]
+    plan = _gather_input(seq, use_local_output=True) + query + [
+        ("wkv_a", SumGradOfLastFeatures(mixer.qk_pos_emb_head_dim)), ("wkv_b", ColwiseParallel()),
+        ("wo", RowwiseParallel(output_layouts=seq))]
+    if mixer.sinks is not None:
         plan.append(("", ShardParameters({"sinks": Shard(0)})))
     return plan
 
@@ -137,9 +179,6 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
     if model.vocab_size % tp:
         raise ConfigError(f"parallel.tp: {tp} must divide the padded vocabulary {model.vocab_size}; "
                           "set model.make_vocab_size_divisible_by to a multiple of tp")
-    if getattr(cfg, "multi_latent_attention", False):
-        raise ConfigError("parallel.tp: multi-latent attention has no tensor-parallel plan yet; "
-                          "set parallel.tp 1 (use FSDP/PP/CP to scale it)")
 
 
 def sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
