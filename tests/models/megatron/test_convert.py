@@ -313,6 +313,18 @@ class WriterEnum(enum.Enum):  # stands for Megatron's AttnBackend: a class mesht
     two = 2
 
 
+def test_legacy_common_pt_is_read_when_present(saved, tmp_path, capsys):
+    """Older megatron-core keeps the common state in common.pt beside the DCP files; it wins when present."""
+    model, root = saved[False]
+    shutil.copytree(root, tmp_path / "meg")
+    args = {**vars(mh.megatron_args(model, False)), "multi_latent_attention": True}
+    torch.save({"args": argparse_namespace(args), "checkpoint_version": 3.0, "iteration": 7},
+               tmp_path / "meg" / "iter_0000007" / "common.pt")
+    rc, err = run_cli(["convert", "megatron-to-meshtron", "--megatron-dir", str(tmp_path / "meg"), "--output",
+                       str(tmp_path / "out")], capsys)
+    assert rc == 2 and "args.multi_latent_attention = True" in err and not (tmp_path / "out").exists()
+
+
 def argparse_namespace(d):
     import argparse
 
