@@ -34,7 +34,7 @@ from torch import nn
 from meshtron.config.fields import ConfigError
 from meshtron.distill.hidden import whole_sequence
 from meshtron.distill.losses import DistillLoss, ModelOutputs
-from meshtron.parallel.pipeline import Pipeline, stage_inputs
+from meshtron.parallel.pipeline import Pipeline
 from meshtron.parallel.pipeline_stages import build_stage_modules
 
 
@@ -48,6 +48,9 @@ class PipelinedTeacher:
         self.parts = build_stage_modules(teacher, ranges, pipeline.stage_ids)
         for part in self.parts:
             part.eval()
+            # under context parallelism the teacher's stages see this cp rank's tokens, like the student's:
+            # ring attention over cp and global positions (the pipeline's own stage inputs)
+            part.context_parallel = pipeline.context_parallel
         self.logits: dict[int, torch.Tensor] = {}
 
     def run(self, batches: list[dict[str, torch.Tensor]], vocabulary_logits: Callable[[torch.Tensor], torch.Tensor],
@@ -60,7 +63,7 @@ class PipelinedTeacher:
             self.logits[i] = vocabulary_logits(logits)
 
         with torch.no_grad(), autocast:
-            p.forward_only(self.parts, batches, keep, inputs_of=stage_inputs)
+            p.forward_only(self.parts, batches, keep)
 
 
 def teacher_stage_ranges(num_sublayers: int, num_stages: int) -> list[range]:

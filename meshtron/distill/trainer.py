@@ -8,7 +8,7 @@ cut to the tokenizer's vocabulary) and, when a loss needs them, the hidden state
 layer pairs (the student's projected to the teacher's width); the balancer sums the weighted
 losses over the loss tokens. Evaluation reports the student's own loss on the labels.
 
-The teacher is parallelized like the student (same mesh and plans: TP, FSDP, CP). Under pipeline
+The teacher is parallelized like the student (same mesh and plans: TP, FSDP, CP, EP). Under pipeline
 parallelism the teacher is split into the student's number of stages and runs forward first; the
 logits losses are computed in the student's last stage, each hidden-state pair's term on the stage
 holding its student sublayer (distill/pipeline.py).

@@ -1,6 +1,7 @@
 """Distillation end to end: a distilled student ends closer to its teacher than the same student
 trained on the labels alone; a Hugging Face teacher gives the HF model's logits; the logged loss is
-the weighted sum of the logged terms; a 2-rank FSDP run equals the single process."""
+the weighted sum of the logged terms; every parallel layout (FSDP, DDP, HSDP, TP, CP, PP, EP and their
+tested combinations, listed in docs/distillation.md) equals the single process."""
 
 from __future__ import annotations
 
@@ -247,15 +248,29 @@ def distill_and_report(rank: int, world_size: int, overrides: dict[str, str]) ->
             "params": full_parameters(trainer.model)}
 
 
-@pytest.mark.parametrize("layout", [
-    "fsdp2", pytest.param("tp2_sp", marks=pytest.mark.slow), pytest.param("cp2", marks=pytest.mark.slow)])
+# name -> (world size, overrides); student and teacher are both parallelized by the layout
+LAYOUTS = {
+    "fsdp2": (2, {"parallel.dp_shard": "2"}),
+    "tp2_sp": (2, {"parallel.tp": "2"}),
+    "tp2": (2, {"parallel.tp": "2", "parallel.sequence_parallel": "false", "parallel.loss_parallel": "false"}),
+    "cp2": (2, {"parallel.cp": "2"}),
+    "ddp2": (2, {"parallel.dp_replicate": "2"}),
+    "fsdp2_tp2": (4, {"parallel.dp_shard": "2", "parallel.tp": "2"}),
+    "hsdp_2x2": (4, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}),
+    "cp2_tp2": (4, {"parallel.cp": "2", "parallel.tp": "2"}),
+}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "fsdp2" else pytest.mark.slow) for k in LAYOUTS])
 def test_distillation_layout_matches_single_process(layout, teacher_checkpoint, tmp_path):
-    extra = {"fsdp2": {"parallel.dp_shard": "2"}, "tp2_sp": {"parallel.tp": "2"}, "cp2": {"parallel.cp": "2"}}[layout]
+    """kl, topk_kl and hidden_cosine over two projected pairs: every rank's losses and logged terms, and
+    the student's and projections' parameters after 3 steps, equal the single process's (1e-5)."""
+    world, extra = LAYOUTS[layout]
     overrides = {**LAYOUT_BASE, "teacher.load": teacher_checkpoint}
     ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
-    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=240,
+    results = run_ranks("tests.distill.test_distill:distill_and_report", world, timeout_s=400,
                         overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
-                                   "parallel.timeout_s": "60"})
+                                   "parallel.timeout_s": "90"})
     for r in results:
         assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
         for step, ref_extra in zip(r["extra"], ref["extra"]):
@@ -284,6 +299,36 @@ def test_pipelined_distillation_matches_single_process(extra, teacher_checkpoint
                                    "parallel.timeout_s": "90"})
     assert {"lm_loss", "distill_kl"} <= set(ref["extra"][0])
     assert_ranks_match(results, ref)
+
+
+# A MoE student (8 experts, top-2, aux loss) under expert parallelism. SGD with momentum: Adam turns the
+# ~1e-8 layout noise of near-zero expert gradients into parameter differences of order lr (PLATFORM.md)
+MOE_STUDENT = {"model.num_moe_experts": "8", "model.moe_ffn_hidden_size": "32", "model.moe_router_topk": "2",
+               "model.moe_aux_loss_coeff": "0.01", "optimizer.type": "sgd", "optimizer.sgd_momentum": "0.9",
+               "optimizer.lr": "0.05"}
+
+
+@pytest.mark.parametrize("extra", [{"parallel.ep": "2"},
+                                   pytest.param({"parallel.ep": "2", "parallel.tp": "2"}, marks=pytest.mark.slow),
+                                   pytest.param({"parallel.ep": "2", "parallel.pp": "2"}, marks=pytest.mark.slow)],
+                         ids=["ep2_fsdp2", "ep2_tp2", "ep2_pp2"])
+def test_moe_student_under_expert_parallelism_matches_single_process(extra, teacher_checkpoint, tmp_path):
+    """EP2 (the experts split over the 2 dp_shard ranks, FSDP on the rest; with tp 2 on 4 ranks also TP+SP):
+    a MoE student distilled from the dense teacher with kl, topk_kl and hidden_cosine (pair 1:2 projects the
+    output of a MoE sublayer) gives the single process's losses, logged terms (moe_aux_loss included) and
+    parameters (experts gathered from their ep ranks)."""
+    overrides = {**LAYOUT_BASE, **MOE_STUDENT, "teacher.load": teacher_checkpoint}
+    ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
+    world = 4 if {"parallel.tp", "parallel.pp"} & set(extra) else 2
+    results = run_ranks("tests.distill.test_distill:distill_and_report", world, timeout_s=400,
+                        overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
+                                   "parallel.timeout_s": "90"})
+    assert {"distill_kl", "distill_hidden_cosine_pair0", "moe_aux_loss"} <= set(ref["extra"][0])
+    if "parallel.pp" in extra:   # the trainer's rule: each stage logs the MoE statistics of its own layers
+        for r in [ref, *results]:
+            r["extra"] = [{k: v for k, v in step.items() if not k.startswith("moe_")} for step in r["extra"]]
+    merged = assert_ranks_match(results, ref)
+    assert any(".experts." in name for name in merged)
 
 
 def assert_ranks_match(results: list[dict], ref: dict) -> dict:
@@ -315,8 +360,10 @@ def test_teacher_stage_ranges():
                                    {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b",
                                     "parallel.pp_virtual_stages": "2", "distill.layer_pairs": "1:4,2:2"},
                                    {"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
-                                    "parallel.pp_virtual_stages": "2", "model.tie_word_embeddings": "false"}],
-                         ids=["pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble"])
+                                    "parallel.pp_virtual_stages": "2", "model.tie_word_embeddings": "false"},
+                                   {"parallel.pp": "2", "parallel.dp_shard": "2"},
+                                   {"parallel.pp": "2", "parallel.cp": "2"}],
+                         ids=["pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble", "pp2_fsdp2", "cp2_pp2"])
 def test_pipelined_hidden_state_losses_match_single_process(extra, teacher_checkpoint, tmp_path):
     """PP2: student sublayers 0-1 | 2-3, teacher 0-2 | 3-5. Pair 1:4 has its student sublayer on stage 0
     and its teacher sublayer on stage 1, pair -1:2 the other way round, so each teacher hidden state
@@ -327,7 +374,8 @@ def test_pipelined_hidden_state_losses_match_single_process(extra, teacher_check
                  "distill.layer_pairs": "1:4,-1:2", "train.eval_interval": "3", "train.eval_iters": "1"}
     overrides.update({k: v for k, v in extra.items() if not k.startswith("parallel.")})
     ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
-    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=400,
+    world = 4 if {"parallel.dp_shard", "parallel.cp"} & set(extra) else 2
+    results = run_ranks("tests.distill.test_distill:distill_and_report", world, timeout_s=400,
                         overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
                                    "parallel.timeout_s": "90"})
     assert {"distill_hidden_mse_pair0", "distill_hidden_cosine_pair1", "distill_kl"} <= set(ref["extra"][0])
