@@ -94,9 +94,9 @@ class DropoutRNG:
         """Every rank's generator states (a collective under several processes): {"layout", "keys",
         "states"}, rank r's (data, pp, tp) coordinates in keys[r] and its states in states[r]."""
         local = torch.cat([g.get_state() for g in self.generators])
-        keys = torch.tensor(self.coordinates, dtype=torch.int64)
+        where = self.device if self.device.type == "cuda" else torch.device("cpu")  # the default group's device
+        keys = torch.tensor(self.coordinates, dtype=torch.int64, device=where)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            where = self.device if self.device.type == "cuda" else torch.device("cpu")
             states = [torch.empty_like(local, device=where) for _ in range(dist.get_world_size())]
             dist.all_gather(states, local.to(where))
             all_keys = [torch.empty_like(keys, device=where) for _ in range(dist.get_world_size())]
