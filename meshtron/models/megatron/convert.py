@@ -199,8 +199,10 @@ def meshtron_to_megatron(checkpoint: str | Path, output: str | Path) -> list[str
         (target / TRACKER).write_text("release")
 
     _atomically(Path(output).absolute(), write)
-    dropped = sorted(set(shapes) - set(expected))
-    notes = [f"dropped {len(dropped)} tensors a Megatron GPTModel has no place for (e.g. {dropped[0]})"] if dropped else []
+    mapped = {p for m in piece_maps(cfg, expected) for p in m.parts}
+    dropped = sorted(n for n in shapes if n not in mapped)
+    notes = [f"dropped {len(dropped)} tensors a Megatron GPTModel has no place for (e.g. {dropped[0]}; multi-token "
+             "prediction layers are not converted)"] if dropped else []
     return notes + ["optimizer state is not converted: start Megatron-LM with --no-load-optim --no-load-rng "
                     "(or --finetune)"]
 

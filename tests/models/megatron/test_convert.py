@@ -229,6 +229,22 @@ def test_moe_sigmoid_router_expert_bias_and_shared_expert_gate(megatron, tmp_pat
         assert torch.equal(tensor, mh.state_tensors(fresh)[name]), name
 
 
+def test_multi_token_prediction_layers_are_dropped_with_a_note(tmp_path, capsys):
+    run = RunConfig()
+    run.model = dataclasses.replace(run.model, num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                                    make_vocab_size_divisible_by=1, mtp_num_layers=1)
+    state = GPTModel(run.model).state_dict()
+    write_model_checkpoint(tmp_path / "ckpt", 0, {n: (tuple(t.shape), t.dtype) for n, t in state.items()},
+                           state.__getitem__, {"step": 0, "model_only": True},
+                           yaml.safe_dump(config_to_dict(run), sort_keys=False))
+    rc, err = run_cli(["convert", "meshtron-to-megatron", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                       str(tmp_path / "meg")], capsys)
+    assert rc == 0 and "note: dropped" in err and "multi-token prediction" in err
+    from meshtron.models.megatron.dcp_files import MegatronCheckpoint
+
+    assert not any(name.startswith("mtp") for name in MegatronCheckpoint(tmp_path / "meg").sizes)
+
+
 def test_qkv_layout_matches_megatron_core_split():
     """split_qkv against megatron's own reading of linear_qkv: view (groups, (q_per_group + 2) * head_dim)."""
     cfg = dataclasses.replace(RunConfig().model, hidden_size=8, num_attention_heads=4, num_query_groups=2)
