@@ -42,13 +42,13 @@ def build_attention(cfg: ModelConfig, layer_id: int, window_size: Optional[int])
                      softmax_scale=attention_softmax_scale(cfg, cfg.head_dim), **common)
 
 
-def build_mlp(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+def build_mlp(cfg: ModelConfig, layer_id: int = 0, window_size: Optional[int] = None) -> nn.Module:
     """An MLP keeps no cache and has no window: `layer_id` and `window_size` are unused."""
     return MLP(cfg.hidden_size, cfg.ffn_size, cfg.activation, bias=cfg.add_bias_linear,
                clamp_value=cfg.activation_func_clamp_value, linear_offset=cfg.glu_linear_offset)
 
 
-def build_mamba(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+def build_mamba(cfg: ModelConfig, layer_id: int, window_size: Optional[int] = None) -> nn.Module:
     """`layer_id` keys the layer's conv and SSM state at inference time (no window)."""
     return Mamba2Mixer(
         cfg.hidden_size, cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim,
@@ -59,7 +59,7 @@ def build_mamba(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> 
         recompute_scan=cfg.mamba_recompute_scan)
 
 
-def build_moe(cfg: ModelConfig, layer_id: int, window_size: Optional[int]) -> nn.Module:
+def build_moe(cfg: ModelConfig, layer_id: int = 0, window_size: Optional[int] = None) -> nn.Module:
     """Routed experts keep no cache and have no window: `layer_id` and `window_size` are unused."""
     return MoELayer(cfg)
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from meshtron.api import internal_api
 from meshtron.compat import fake_tensor_mode, storage_key
 from meshtron.config.fields import ConfigError
 from meshtron.config.schema import ModelConfig, RunConfig
@@ -149,6 +150,7 @@ def microbatches_in_flight(cfg: RunConfig, dims: ParallelDims, pp_rank: int, num
 
 # ---- parameters -----------------------------------------------------------------------------------
 
+@internal_api
 def style_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]:
     """The tp placement `style` gives each parameter of `module`, torch's rules: ColwiseParallel splits a
     Linear's output features (weight and bias Shard(0)) and an Embedding's columns (Shard(1));
@@ -182,6 +184,7 @@ def tp_placements(model: nn.Module, *, sequence_parallel: bool = False,
     return out
 
 
+@internal_api
 def tp_local_shape(shape: torch.Size, placement: Optional[Placement], tp: int, rank: int) -> tuple[int, ...]:
     """The shape tp rank `rank` holds: DTensor's Shard(d) gives each rank ceil(n / tp) of dim d in order,
     the last ones what is left (possibly nothing)."""

@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshtron.api import internal_api
 from meshtron.config.fields import ConfigError
 from meshtron.nn.mla import MultiLatentAttention
 from meshtron.parallel.distributed import copy_to_group
@@ -59,6 +60,7 @@ from meshtron.parallel.distributed import copy_to_group
 Plan = list[tuple[str, ParallelStyle]]  # (submodule path, "" for the module itself; its style), applied in order
 
 
+@internal_api
 class ShardParameters(ParallelStyle):
     """Distribute a module's named parameters (its own, or its children's by dotted name) with the given
     placements, e.g. Mamba's per-head A_log as Shard(0). No hook: the module computes on local shards."""
@@ -77,6 +79,7 @@ class ShardParameters(ParallelStyle):
         return module
 
 
+@internal_api
 class SumGradOfLastFeatures(ParallelStyle):
     """Identity forward on the module's output; in backward the gradient of its last `width` features
     is summed over the tp ranks (Megatron's copy to the tensor-parallel region). MLA's W_kva ends with
@@ -104,6 +107,7 @@ def _gather_input(seq: Placement, use_local_output: bool = False) -> Plan:
                                     use_local_output=use_local_output))]
 
 
+@internal_api
 def attention_plan(mixer: nn.Module, seq: Placement) -> Plan:
     if isinstance(mixer, MultiLatentAttention):
         return mla_plan(mixer, seq)
@@ -115,6 +119,7 @@ def attention_plan(mixer: nn.Module, seq: Placement) -> Plan:
     return plan
 
 
+@internal_api
 def mla_plan(mixer: MultiLatentAttention, seq: Placement) -> Plan:
     """The up-projections to heads (W_q or W_qb, W_kvb) column-parallel, W_o row-parallel; the
     down-projections to the latents (W_qa, W_kva) and their norms stay whole on every rank (their
@@ -128,9 +133,17 @@ def mla_plan(mixer: MultiLatentAttention, seq: Placement) -> Plan:
     return plan
 
 
+@internal_api
 def mlp_plan(mixer: nn.Module, seq: Placement, output: Placement | None = None) -> Plan:
     gate = [("w_gate", ColwiseParallel())] if mixer.w_gate is not None else []
     return gate + [("w_up", ColwiseParallel()), ("w_down", RowwiseParallel(output_layouts=output or seq))]
+
+
+def mlp_sublayer_plan(mixer: nn.Module, seq: Placement) -> Plan:
+    """The MLP sublayer: under SP its input is all-gathered once at the mixer, for w_gate and w_up both
+    (without it a sequence-sharded DTensor reaches the column-parallel projections, which compiled
+    sublayers turn into a graph break on a data-dependent op)."""
+    return _gather_input(seq) + mlp_plan(mixer, seq)
 
 
 # Mamba-2 parameters that belong to heads or channels, split by dim 0 like the projections that feed them
@@ -138,12 +151,14 @@ MAMBA_SHARDED = ("A_log", "D", "dt_bias", "norm.weight", "conv_x.weight", "conv_
                  "conv_b.bias", "conv_c.weight", "conv_c.bias")
 
 
+@internal_api
 def mamba_plan(mixer: nn.Module, seq: Placement) -> Plan:
     projections = [(f"{p}_proj", ColwiseParallel()) for p in ("z", "x", "b", "c", "dt")]
     by_channel = ShardParameters(dict.fromkeys(MAMBA_SHARDED, Shard(0)))
     return _gather_input(seq) + projections + [("out_proj", RowwiseParallel(output_layouts=seq)), ("", by_channel)]
 
 
+@internal_api
 def moe_plan(mixer: nn.Module, seq: Placement) -> Plan:
     """Router and routed experts stay whole here (expert parallelism splits the experts)."""
     plan: Plan = []
@@ -159,7 +174,7 @@ def moe_plan(mixer: nn.Module, seq: Placement) -> Plan:
 
 # symbol -> the plan of its mixer given the layout of the sublayer's activations (Shard(1) under SP)
 TP_PLANS: dict[str, Callable[[nn.Module, Placement], Plan]] = {
-    "*": attention_plan, "-": mlp_plan, "M": mamba_plan, "E": moe_plan,
+    "*": attention_plan, "-": mlp_sublayer_plan, "M": mamba_plan, "E": moe_plan,
 }
 
 
@@ -181,6 +196,7 @@ def check_tp_divisibility(model: nn.Module, tp: int) -> None:
                           "set model.make_vocab_size_divisible_by to a multiple of tp")
 
 
+@internal_api
 def sublayer_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
     """The plan of one `Sublayer`: its norm (SP: replicated weight, sequence-split activations) and mixer."""
     if layer.symbol not in TP_PLANS:
