@@ -20,14 +20,19 @@ def apply_compile(model: nn.Module) -> None:
     """Compile every sublayer of `model` (a GPTModel or a pipeline stage of one) in place."""
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for layer in layers:
-        recomputed = "forward" in vars(layer)  # recompute wrapped its forward in a checkpoint
-        if recomputed and any(isinstance(p, DTensor) for p in layer.parameters()):
+        sharded = any(isinstance(p, DTensor) for p in layer.parameters())
+        # A graph with collectives names its process group, and the two tp groups of TP2 x FSDP2 (with
+        # recompute) get different names for otherwise equal graphs; the on-disk graph caches leave the
+        # name out of the key (PyTorch 2.13), so a rank loaded the other group's graph and failed to
+        # resolve its group. Sharded sublayers skip the caches (they recompile in every process).
+        options = {"fx_graph_cache": False} if sharded else None  # also turns off AOTAutograd's cache
+        if sharded and "forward" in vars(layer):  # recompute wrapped the forward in a checkpoint
             # a checkpoint inside a graph of DTensors fails at run time (PyTorch 2.13: AOTAutograd saves
             # the mesh among the tensors), so the checkpoint stays eager around the compiled norm and mixer
-            layer.norm.compile(dynamic=False)
-            layer.mixer.compile(dynamic=False)
+            layer.norm.compile(dynamic=False, options=options)
+            layer.mixer.compile(dynamic=False, options=options)
         else:
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False, options=options)
     embedding = getattr(model, "embedding", None)
     if embedding is not None and isinstance(embedding.weight, DTensor):
         embedding.register_forward_hook(_own_storage)
