@@ -6,15 +6,17 @@ Workarounds for the CUDA-only paths (issue 19), all scoped to `cpu_megatron()`:
 - `torch.cuda.current_device` answers "cpu": RotaryEmbedding.get_emb moves inv_freq there,
   GlobalMemoryBuffer.get_tensor allocates there, and saving builds its failure flag there;
 - `torch.cuda.synchronize` does nothing (saving calls it);
-- forward is given an explicit causal mask (attention_mask=None builds one on CUDA).
-Saving starts a multiprocessing manager with the spawn method, so scripts that save need a
-`__main__` guard (pytest has one).
+- forward is given an explicit causal mask (attention_mask=None builds one on CUDA);
+- saving collects its write results in a plain queue: a synchronous save writes in this process, and
+  megatron's default (a queue served by a spawned multiprocessing manager) costs a process start and
+  keeps a forked rank from exiting.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import queue
 import tempfile
 import warnings
 from contextlib import contextmanager
@@ -39,8 +41,11 @@ def cpu_megatron(seed: int = 1234):
         store = Path(tempfile.mkdtemp(prefix="megatron-store-")) / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=120))
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
-            mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+            mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
+            mock.patch.object(filesystem_async, "_results_queue", queue.Queue()):
         parallel_state.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
         try:
