@@ -245,7 +245,7 @@ def distill_and_report(rank: int, world_size: int, overrides: dict[str, str]) ->
     trainer = DistillTrainer(load_config(overrides=overrides, world_size=world_size))
     history = trainer.train()
     return {"losses": [r.loss for r in history], "extra": [r.extra for r in history],
-            "params": full_parameters(trainer.model)}
+            "params": full_parameters(trainer.model), "teacher_pattern": trainer.teacher_cfg.pattern}
 
 
 # name -> (world size, overrides); student and teacher are both parallelized by the layout
@@ -308,18 +308,23 @@ MOE_STUDENT = {"model.num_moe_experts": "8", "model.moe_ffn_hidden_size": "32", 
                "optimizer.lr": "0.05"}
 
 
-@pytest.mark.parametrize("extra", [{"parallel.ep": "2"},
+@pytest.mark.parametrize("extra", [pytest.param({"parallel.ep": "2"}, marks=pytest.mark.slow),
                                    pytest.param({"parallel.ep": "2", "parallel.tp": "2"}, marks=pytest.mark.slow),
-                                   pytest.param({"parallel.ep": "2", "parallel.pp": "2"}, marks=pytest.mark.slow)],
-                         ids=["ep2_fsdp2", "ep2_tp2", "ep2_pp2"])
+                                   pytest.param({"parallel.ep": "2", "parallel.pp": "2"}, marks=pytest.mark.slow),
+                                   pytest.param({"parallel.ep": "2", "parallel.tp": "2",
+                                                 "parallel.expert_tensor_parallel": "true"}, marks=pytest.mark.slow),
+                                   pytest.param({"parallel.ep": "2", "parallel.dp_replicate": "2",
+                                                 "parallel.dp_shard": "2"}, marks=pytest.mark.slow)],
+                         ids=["ep2_fsdp2", "ep2_tp2", "ep2_pp2", "ep2_tp2_etp", "ep2_hsdp"])
 def test_moe_student_under_expert_parallelism_matches_single_process(extra, teacher_checkpoint, tmp_path):
-    """EP2 (the experts split over the 2 dp_shard ranks, FSDP on the rest; with tp 2 on 4 ranks also TP+SP):
+    """EP2 (the experts split over the 2 dp_shard ranks, FSDP on the rest; on 4 ranks also TP+SP, expert
+    tensor parallelism, PP or HSDP):
     a MoE student distilled from the dense teacher with kl, topk_kl and hidden_cosine (pair 1:2 projects the
     output of a MoE sublayer) gives the single process's losses, logged terms (moe_aux_loss included) and
     parameters (experts gathered from their ep ranks)."""
     overrides = {**LAYOUT_BASE, **MOE_STUDENT, "teacher.load": teacher_checkpoint}
     ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
-    world = 4 if {"parallel.tp", "parallel.pp"} & set(extra) else 2
+    world = 4 if {"parallel.tp", "parallel.pp", "parallel.dp_replicate"} & set(extra) else 2
     results = run_ranks("tests.distill.test_distill:distill_and_report", world, timeout_s=400,
                         overrides={**overrides, **extra, "train.run_dir": str(tmp_path / "run"),
                                    "parallel.timeout_s": "90"})
@@ -329,6 +334,23 @@ def test_moe_student_under_expert_parallelism_matches_single_process(extra, teac
             r["extra"] = [{k: v for k, v in step.items() if not k.startswith("moe_")} for step in r["extra"]]
     merged = assert_ranks_match(results, ref)
     assert any(".experts." in name for name in merged)
+
+
+@pytest.mark.slow
+def test_moe_teacher_under_expert_parallelism_matches_single_process(tmp_path):
+    """EP2 x FSDP2 with a MoE teacher (pattern '*E*E*E', 4 experts, split over ep like the student's 8):
+    the teacher's expert-parallel forward gives the single process's losses, logged terms and parameters."""
+    teacher = load_config(overrides={**TEACHER, "model.num_moe_experts": "4", "model.moe_ffn_hidden_size": "32",
+                                     "train.train_iters": "2", "train.run_dir": str(tmp_path / "teacher"),
+                                     "checkpoint.save": str(tmp_path / "teacher" / "checkpoints")})
+    Trainer(teacher).train()
+    overrides = {**LAYOUT_BASE, **MOE_STUDENT, "teacher.load": str(tmp_path / "teacher" / "checkpoints")}
+    ref = distill_and_report(0, 1, {**overrides, "train.run_dir": str(tmp_path / "ref")})
+    results = run_ranks("tests.distill.test_distill:distill_and_report", 2, timeout_s=400,
+                        overrides={**overrides, "parallel.ep": "2", "train.run_dir": str(tmp_path / "run"),
+                                   "parallel.timeout_s": "90"})
+    assert all(r["teacher_pattern"] == "*E*E*E" for r in [ref, *results])
+    assert_ranks_match(results, ref)
 
 
 def assert_ranks_match(results: list[dict], ref: dict) -> dict:
