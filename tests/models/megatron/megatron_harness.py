@@ -31,13 +31,16 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|deprecated
 
 
 @contextmanager
-def cpu_megatron(seed: int = 1234):
-    """parallel_state initialised on a one-rank gloo group, with the CUDA calls patched (see above)."""
+def cpu_megatron(seed: int = 1234, tp: int = 1):
+    """parallel_state initialised on a one-rank gloo group (or, with tp > 1, on the ranks run_ranks
+    started: their environment names the rendezvous), with the CUDA calls patched (see above)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     owns_group = not dist.is_initialized()
-    if owns_group:
+    if owns_group and tp > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    elif owns_group:
         store = Path(tempfile.mkdtemp(prefix="megatron-store-")) / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=120))
@@ -46,7 +49,7 @@ def cpu_megatron(seed: int = 1234):
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
             mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
             mock.patch.object(filesystem_async, "_results_queue", queue.Queue()):
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, 1)
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
         try:
             yield
@@ -138,11 +141,12 @@ def save_megatron(model, save_dir: Path, args, iteration: int = 7, per_layer: bo
     from megatron.core import dist_checkpointing
 
     step = save_dir / f"iter_{iteration:07d}"
-    step.mkdir(parents=True)
+    step.mkdir(parents=True, exist_ok=True)  # every rank of a multi-rank save
     sharded = model.sharded_state_dict(metadata={"non_homogeneous_layers": True} if per_layer else None)
     state = {"model": sharded, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
     dist_checkpointing.save(state, str(step))
-    (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    if dist.get_rank() == 0:
+        (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return step
 
 
@@ -170,3 +174,36 @@ def state_tensors(model) -> dict[str, torch.Tensor]:
             and "_extra_state" not in k}
 
 
+def full_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """logits() with the vocabulary shards of a tensor-parallel output layer gathered: (batch, seq, vocab)."""
+    from megatron.core import parallel_state
+
+    local = logits(model, tokens)
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def tp_save(rank: int, world_size: int, save_dir: str) -> dict:
+    """run_ranks target: a tensor-parallel GPTModel saved as torch_dist; its gathered logits, local tensors."""
+    with cpu_megatron(tp=world_size):
+        torch.manual_seed(51)
+        model = build_gpt(False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "layernorm" in name:
+                    p.add_(0.1 * torch.randn_like(p))  # the same on every rank: the same seed
+        save_megatron(model, Path(save_dir), megatron_args(model, False))
+        torch.manual_seed(52)
+        tokens = torch.randint(0, 128, (2, 24))
+        return {"tokens": tokens, "logits": full_logits(model, tokens), "state": state_tensors(model)}
+
+
+def tp_load(rank: int, world_size: int, step_dir: str) -> dict:
+    """run_ranks target: a fresh tensor-parallel GPTModel loaded from `step_dir`; its local tensors."""
+    with cpu_megatron(tp=world_size):
+        torch.manual_seed(53)
+        model = build_gpt(False)
+        load_megatron(model, Path(step_dir))
+        return state_tensors(model)

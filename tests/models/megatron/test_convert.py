@@ -136,6 +136,32 @@ def test_layernorm_gelu_biases_and_qk_layernorm_both_ways(megatron, tmp_path):
         assert torch.equal(tensor, mh.state_tensors(fresh)[name]), name
 
 
+@pytest.mark.slow  # two ranks, each importing megatron-core (~30 s)
+def test_tensor_parallel_checkpoint_both_ways(tmp_path):
+    """A TP=2 save (linear_qkv, linear_fc1, linear_proj, the embedding and the output layer each split in
+    chunks over the ranks) converts to meshtron logits equal to TP=2 megatron-core's; the export, one chunk
+    per layer, loads into TP=2 megatron-core again with the same local tensors."""
+    from meshtron.testing.multiprocess import run_ranks
+
+    saved = run_ranks("tests.models.megatron.megatron_harness:tp_save", 2, timeout_s=300,
+                      save_dir=str(tmp_path / "meg"))
+    from meshtron.models.megatron.dcp_files import MegatronCheckpoint
+
+    chunks = MegatronCheckpoint(tmp_path / "meg")._chunks
+    assert len(chunks["decoder.layers.self_attention.linear_qkv.weight"]) == 2 * 2  # layers x TP ranks
+    assert len(chunks["embedding.word_embeddings.weight"]) == 2
+    step_dir = megatron_to_meshtron(tmp_path / "meg", tmp_path / "ckpt")
+    with torch.no_grad():
+        assert relative_diff(load_meshtron(step_dir)(saved[0]["tokens"]), saved[0]["logits"]) <= RTOL
+    meshtron_to_megatron(tmp_path / "ckpt", tmp_path / "back")
+    loaded = run_ranks("tests.models.megatron.megatron_harness:tp_load", 2, timeout_s=300,
+                       step_dir=str(tmp_path / "back" / "release"))
+    for rank in range(2):
+        assert loaded[rank].keys() == saved[rank]["state"].keys()
+        for name, tensor in saved[rank]["state"].items():
+            assert torch.equal(tensor, loaded[rank][name]), (rank, name)
+
+
 @pytest.mark.slow
 def test_per_layer_layout_is_read(saved, tmp_path):
     """megatron's non-homogeneous layout: `decoder.layers.<i>.*` keys instead of tensors stacked over layers."""
