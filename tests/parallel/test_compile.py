@@ -1,7 +1,7 @@
 """torch.compile under tensor (and sequence) parallelism (issue 18, finding 15): each sublayer compiled
 after apply_tp, its DTensor redistributions inside the graph, trains like the single-process eager
 run (losses, gradient norms and parameters afterwards; fp32, forked ranks). The graphs really exist:
-dynamo compiled at least one per compiled module and broke none of them."""
+sublayers were compiled, dynamo made graphs of them and broke none."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def test_compiled_tensor_parallel_matches_eager_single_process(layout, tmp_path)
     check_against_reference(results, (ref_losses, ref_params))
     for r in results:
         assert r["grad_norms"] == pytest.approx(ref_norms, abs=1e-5, rel=0)
-        assert r["graphs"] >= r["compiled"] >= 1 and not r["graph_breaks"], (r["compiled"], r["graphs"],
-                                                                            r["graph_breaks"])
+        # equal sublayers share a graph (their parameters are graph inputs), so graphs <= compiled modules
+        assert r["compiled"] >= 1 and r["graphs"] >= 1 and not r["graph_breaks"], (r["compiled"], r["graphs"],
+                                                                                  r["graph_breaks"])
 
 
 @pytest.mark.slow
