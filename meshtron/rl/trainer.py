@@ -96,6 +96,13 @@ def tp_engine_layout(cfg: RunConfig, world_size: int) -> bool:
     return world_size > 1 and cfg.parallel.tp == world_size and cfg.parallel.ep == 1
 
 
+class _Unlogged:
+    """The logger of steps taken outside `train()` (a caller stepping `grpo_step` itself)."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+
 class GRPOTrainer(Trainer):
     """The GRPO loop. `backend`, `rollouts` and `evaluator` replace the shipped inference backend
     (`build_backend` of rl.inference), rollout generator (`GroupedRollouts`) and evaluation agent
@@ -276,8 +283,8 @@ class GRPOTrainer(Trainer):
         return result
 
     def _account(self, result: StepResult) -> None:
-        if self.logger is not None:
-            self._account_nonfinite(result, self.logger)
+        """The trainer's non-finite bookkeeping (stops after train.max_nonfinite_steps in a row)."""
+        self._account_nonfinite(result, self.logger or _Unlogged())
 
     def _policy_batches(self, sequences: list[TrainSequence]) -> tuple[list[dict[str, torch.Tensor]], int]:
         """Packed rows -> (local micro-batches: on the device, this rank's part under CP, padded to the
@@ -387,14 +394,15 @@ class GRPOTrainer(Trainer):
         mine = first + self.share_rank * share
         problems = [self.train_problems[(mine + i) % len(self.train_problems)] for i in range(share)]
         t0 = time.perf_counter()
-        self._sync()
-        rollouts = self.rollouts.generate(self.backend, self.env, self.tokenizer, problems, self.sampling(),
-                                          self.cfg.train.seed, self.step, first_group=mine)
-        if len(rollouts) != len(problems) * rl.group_size:
-            raise RuntimeError(f"the rollout generator returned {len(rollouts)} rollouts for {len(problems)} prompts; "
-                               f"it must return rl.group_size={rl.group_size} per prompt, groups consecutive")
-        if self.share_axes:
-            rollouts = gather_objects(rollouts, [self.mesh[a].get_group() for a in self.share_axes])
+        with self._guard("rollouts of step", self.step + 1), self._phase("rollouts"):
+            self._sync()
+            rollouts = self.rollouts.generate(self.backend, self.env, self.tokenizer, problems, self.sampling(),
+                                              self.cfg.train.seed, self.step, first_group=mine)
+            if len(rollouts) != len(problems) * rl.group_size:
+                raise RuntimeError(f"the rollout generator returned {len(rollouts)} rollouts for {len(problems)} "
+                                   f"prompts; it must return rl.group_size={rl.group_size} per prompt, groups consecutive")
+            if self.share_axes:
+                rollouts = gather_objects(rollouts, [self.mesh[a].get_group() for a in self.share_axes])
         rollout_s = time.perf_counter() - t0
         rewards = assign_advantages(rollouts, rl.group_size, rl.scale_advantages_by_std, rl.reward_clip)
         self.backend.suspend()  # frees the KV cache; the old weights' keys/values must not be reused
