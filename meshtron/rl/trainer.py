@@ -76,7 +76,7 @@ from meshtron.training.trainer import StepResult, Trainer, rng_state, set_rng_st
 CURVE_FIELDS = ("step", "reward_mean", "reward_std", "greedy_success", "pass_at_k")
 
 
-def check_layout(cfg: RunConfig, world_size: int) -> None:
+def check_layout(cfg: RunConfig) -> None:
     """The layouts RL refuses, each in one line naming the fields and why."""
     p, rl = cfg.parallel, cfg.rl
     if p.tp > 1 and p.pp > 1:
@@ -89,11 +89,6 @@ def check_layout(cfg: RunConfig, world_size: int) -> None:
     if p.pp > 1 and rl.router_replay and cfg.model.num_moe_experts:
         raise ConfigError("rl.router_replay: routing replay is not supported with parallel.pp > 1 yet; "
                           "set rl.router_replay false")
-
-
-def tp_engine_layout(cfg: RunConfig, world_size: int) -> bool:
-    """Tensor parallelism alone: the engine runs the sharded policy itself (leader and followers)."""
-    return world_size > 1 and cfg.parallel.tp == world_size and cfg.parallel.ep == 1
 
 
 class _Unlogged:
@@ -112,11 +107,7 @@ class GRPOTrainer(Trainer):
     def __init__(self, cfg: RunConfig, *, backend: Union[InferenceBackend, Callable, None] = None,
                  rollouts: Optional[RolloutGenerator] = None, evaluator: Optional[EvaluationAgent] = None):
         rl = cfg.rl
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        check_layout(cfg, world_size)
-        self.tp_engine = tp_engine_layout(cfg, world_size)
-        if self.tp_engine:  # the engine's forwards of one decode token cannot be split along the sequence
-            cfg.parallel.sequence_parallel = False
+        check_layout(cfg)
         self.ref_model: Optional[torch.nn.Module] = None
         self.ref_parts: Optional[list[torch.nn.Module]] = None  # under pp: the reference model's stages
         self.optimizer_steps = self.consumed_prompts = 0
@@ -144,6 +135,13 @@ class GRPOTrainer(Trainer):
         self.history: list[dict[str, Any]] = []
 
     # ---- what the trainer builds differently for RL ---------------------------------------------
+
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        d = self.dims  # tensor parallelism alone: the engine runs the sharded policy (leader and followers)
+        self.tp_engine = d.world_size > 1 and d.tp == d.world_size
+        if self.tp_engine:  # the engine's forwards of one decode token cannot be split along the sequence
+            self.cfg.parallel.sequence_parallel = False
 
     def _build_data(self) -> None:
         """No token dataset: the tokenizer, the environment and its problems."""
