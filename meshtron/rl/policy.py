@@ -8,16 +8,27 @@ one parameter over its mesh (every rank walks the same names in the same order, 
 match), the whole tensor is copied and freed before the next. Gradients and optimizer state are
 never gathered. Under pipeline parallelism each rank gathers its own stages and `ReplicaSync`
 (rl/pipeline.py) broadcasts every stage from its owner over the pp group.
+
+The frozen reference policy of the KL penalty is placed like the trained one (`frozen_copy`): built
+through the same parallelisation and given each local shard, so its forward needs no gathering
+beyond what the policy's does.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshtron.config.schema import RunConfig
+from meshtron.models.gpt import GPTModel
 from meshtron.nn.moe.replay import WRAPPER_NAMES
+from meshtron.parallel import parallelize_parts
+from meshtron.parallel.dims import ParallelDims
 
 
 def plain_name(name: str) -> str:
@@ -49,3 +60,29 @@ def gather_objects(items: list, groups: list) -> list:
         dist.all_gather_object(out, items, group=group)
         items = [x for part in out for x in part]
     return items
+
+
+@torch.no_grad()
+def frozen_copy(policy_parts: list[nn.Module], cfg: RunConfig, dims: ParallelDims, mesh, vocab_size: int,
+                device: torch.device, stages: Optional[tuple[list[range], list[int]]] = None) -> list[nn.Module]:
+    """Frozen parts holding `policy_parts`' weights, parallelised like them (without activation
+    checkpointing or compile: no backward runs through them). `stages`: (the layer range of every
+    pipeline stage, this rank's stage ids) under pp."""
+    with torch.random.fork_rng(devices=[]):  # the random stream stays the single process's
+        model = GPTModel(cfg.model, vocab_size).to(device)
+    parts: list[nn.Module] = [model]
+    if stages is not None:
+        from meshtron.parallel.pipeline_stages import build_stage_modules
+
+        parts = build_stage_modules(model, *stages)
+    plain = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint="none",
+                                                                  compile=False))
+    parallelize_parts(parts, dims, mesh, plain)
+    for part, trained in zip(parts, policy_parts):
+        source = {plain_name(k): v for k, v in trained.state_dict().items()}
+        for name, target in part.state_dict().items():
+            value = source[plain_name(name)]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(value.to_local() if isinstance(value, DTensor) else value)
+        part.eval().requires_grad_(False)
+    return parts

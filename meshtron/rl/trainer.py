@@ -48,7 +48,6 @@ from meshtron.data.tokenizer import build_tokenizer
 from meshtron.inference.request import SamplingParams
 from meshtron.models.gpt import GPTModel
 from meshtron.nn.moe.replay import clear_replay
-from meshtron.parallel import parallelize_parts
 from meshtron.parallel.parts import ModelParts
 from meshtron.parallel.watchdog import Watchdog
 from meshtron.rl.environments import build_environment
@@ -66,7 +65,7 @@ from meshtron.rl.grpo import (
 from meshtron.rl.inference import InferenceBackend, build_backend, engine_config
 from meshtron.rl.loss import PolicyLossConfig, token_weights, zero_variance_fraction
 from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
-from meshtron.rl.policy import gather_objects, gather_weights
+from meshtron.rl.policy import frozen_copy, gather_objects, gather_weights
 from meshtron.rl.rollout import EvaluationAgent, GroupedRollouts, PassAtKEvaluator, RolloutGenerator, pass_at_k
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.metrics import MetricsLogger
@@ -489,31 +488,18 @@ class GRPOTrainer(Trainer):
 
     def _frozen_copy(self) -> torch.nn.Module:
         """A frozen copy of the trained weights, placed like the policy (under pp: this rank's stages,
-        kept in ref_parts): built through the same parallelisation, then each local shard copied."""
+        kept in ref_parts)."""
         if self.mesh is None:
             return copy.deepcopy(self.model).eval().requires_grad_(False)
-        with torch.random.fork_rng(devices=[]):
-            model = GPTModel(self.cfg.model, self.tokenizer.vocab_size).to(self.device)
-        parts = [model]
+        stages = None
         if self.pipeline is not None:
-            from meshtron.parallel.pipeline_stages import build_stage_modules, split_layers
+            from meshtron.parallel.pipeline_stages import split_layers
 
             p = self.cfg.parallel
-            ranges = split_layers(len(self.cfg.model.pattern), self.pipeline.num_stages, p.pp_first_stage_sublayers,
-                                  p.pp_last_stage_sublayers)
-            parts = build_stage_modules(model, ranges, self.pipeline.stage_ids)
-        p = self.cfg.parallel
-        plain = dataclasses.replace(self.cfg, parallel=dataclasses.replace(p, activation_checkpoint="none", compile=False))
-        parallelize_parts(parts, self.dims, self.mesh, plain)
-        with torch.no_grad():
-            for part, trained in zip(parts, self.model_parts):
-                source = trained.state_dict()
-                for name, target in part.state_dict().items():
-                    value = source[name]
-                    local = target.to_local() if isinstance(target, DTensor) else target
-                    local.copy_(value.to_local() if isinstance(value, DTensor) else value)
-        for part in parts:
-            part.eval().requires_grad_(False)
+            stages = (split_layers(len(self.cfg.model.pattern), self.pipeline.num_stages, p.pp_first_stage_sublayers,
+                                   p.pp_last_stage_sublayers), self.pipeline.stage_ids)
+        parts = frozen_copy(self.model_parts, self.cfg, self.dims, self.mesh, self.tokenizer.vocab_size, self.device,
+                            stages)
         if self.pipeline is None:
             return parts[0]
         self.ref_parts = parts
@@ -579,6 +565,10 @@ class GRPOTrainer(Trainer):
             if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
                 with self._guard("checkpoint save at step", self.step):
                     self.save()
+        averages = self.timers.averages()  # the trainer's phases of the optimizer steps (forward_backward, optimizer)
+        if averages:
+            logger.message("step phases (mean per GRPO step, first excluded): "
+                           + " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in averages.items()))
 
     def _curve_row(self, step: int, metrics: Optional[dict], evaluation: Optional[dict]) -> None:
         """Append to <run_dir>/reward_curve.csv: the step's reward and, when evaluated, held-out success."""
