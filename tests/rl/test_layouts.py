@@ -72,3 +72,8 @@ def test_router_replay_with_pipeline_is_refused(tmp_path):
                                  "train.run_dir": str(tmp_path)}, world_size=2)
     with pytest.raises(ConfigError, match="rl.router_replay: routing replay is not supported with parallel.pp > 1"):
         GRPOTrainer(cfg)
+
+
+@pytest.mark.slow
+def test_hsdp_grpo_step_matches_the_single_process(tmp_path):
+    check_layout(tmp_path, 4, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"})
