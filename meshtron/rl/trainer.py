@@ -12,8 +12,8 @@ others follow its forwards (`meshtron.rl.tensor_parallel`), so every rank gets t
 the policy is then built without sequence parallelism (the engine's decode steps hold one token).
 Under every other layout each rank keeps a whole rollout model, copied from the sharded policy one
 tensor at a time before rollouts (rl/policy.py); the ranks that share a data-parallel index (tp,
-cp, pp) split its prompts and all-gather the rollouts. Refused: tp with pp, router replay with pp,
-and rl.backend other than engine with tp or pp (see `check_layout`).
+cp, pp) split its prompts and all-gather the rollouts. Refused: router replay with pp, and
+rl.backend other than engine with tp or pp (see `check_layout`).
 
 The objective's losses carry global normalisers (token weights divided by the mini-batch's
 completion tokens or sequences over every rank), so the trainer divides their sum by 1
@@ -78,9 +78,6 @@ CURVE_FIELDS = ("step", "reward_mean", "reward_std", "greedy_success", "pass_at_
 def check_layout(cfg: RunConfig) -> None:
     """The layouts RL refuses, each in one line naming the fields and why."""
     p, rl = cfg.parallel, cfg.rl
-    if p.tp > 1 and p.pp > 1:
-        raise ConfigError(f"parallel.pp: {p.pp} is not allowed with parallel.tp={p.tp} for meshtron rl; "
-                          "use tensor or pipeline parallelism (with data parallelism), not both")
     if (p.tp > 1 or p.pp > 1) and rl.backend != "engine":
         which = f"parallel.tp={p.tp}" if p.tp > 1 else f"parallel.pp={p.pp}"
         raise ConfigError(f"rl.backend: {rl.backend} is not allowed with {which}; "
