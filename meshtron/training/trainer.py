@@ -187,9 +187,7 @@ class Trainer:
         self.vocab_size = model.vocab_size
         self.pipeline = None
         if self.dims.pp > 1:
-            from meshtron.parallel.pipeline import build_pipeline
-
-            self.pipeline = build_pipeline(model, self.mesh, self.dims, cfg, self.device)
+            self.pipeline = self.build_pipeline(model)
             parts = self.pipeline.parts
             for part in parts:
                 part.annotate = self.ranges  # "forward" ranges of each stage inside the schedule
@@ -211,6 +209,13 @@ class Trainer:
             from meshtron.parallel.context_parallel import ContextParallel
 
             self.context_parallel = ContextParallel(self.mesh["cp"], load_balance=cfg.parallel.cp_load_balance)
+
+    def build_pipeline(self, model: GPTModel):
+        """This rank's pipeline stages of the full model and the schedules that run them. Extension
+        point: RL builds it without the pretraining micro-batch checks (it pads its own micro-batches)."""
+        from meshtron.parallel.pipeline import build_pipeline
+
+        return build_pipeline(model, self.mesh, self.dims, self.cfg, self.device)
 
     def extend_model(self, model: GPTModel) -> None:
         """Extension point: add trainable modules to the full model before it is split, sharded and
@@ -329,8 +334,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [self._local_micro_batch(mb) for mb in micro_batches]
-        # one all-reduce and one host sync for the step's token count (not one per micro-batch)
-        total_tokens = self._global_sum(sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches))
+        total_tokens = self.loss_normaliser(micro_batches)
         if self.grad_capture is not None:
             self.grad_capture.begin(self.step + 1)
         inject = (self.step + 1) in self.cfg.train.debug_nonfinite_steps
@@ -365,6 +369,12 @@ class Trainer:
             extra_means.update(self._moe_step_metrics())
         self.step += 1
         return StepResult(self.step, mean_loss, grad_norm, lr, int(total_tokens), skipped, extra_means)
+
+    def loss_normaliser(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        """What the step's summed micro-batch losses are divided by: the loss tokens over dp x cp (one
+        all-reduce and one host sync per step). Extension point: an objective whose micro-batch losses
+        already carry global weights (GRPO, meshtron/rl/trainer.py) returns 1."""
+        return self._global_sum(sum(mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches))
 
     def _accumulate(self, micro_batches: list[dict[str, torch.Tensor]], total_tokens: float,
                     inject: bool) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:

@@ -89,3 +89,55 @@ def resumed_histories(common: dict[str, str], world_size: int, tmp_path, timeout
     run(**{"train.train_iters": "2", "checkpoint.save_at_end": "true", "train.run_dir": str(tmp_path / "b")})
     tail = run(**{"checkpoint.load": str(tmp_path / "b" / "checkpoints"), "train.run_dir": str(tmp_path / "b")})
     return full, tail
+
+
+def grpo_layout_run(rank: int, world_size: int, overrides: dict[str, str]):
+    """One GRPO step under a layout; -> (its metrics, the full gradients the optimizer saw, the full
+    weights after the step, the largest |engine - trainer| log prob over the completion tokens of a
+    second batch of rollouts sampled from the updated policy, whether the policy is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.config import load_config
+    from meshtron.rl.grpo import train_sequences
+    from meshtron.rl.trainer import GRPOTrainer
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    trainer = GRPOTrainer(load_config(overrides=overrides, world_size=world_size))
+    grads: dict[str, torch.Tensor] = {}
+
+    def capture(optimizer, args, kwargs):
+        if not grads:
+            grads.update({name: full(p.grad) for name, p in trainer.train_model.named_parameters()})
+
+    trainer.optimizer.register_step_pre_hook(capture)
+    if trainer.cfg.rl.kl_beta > 0:
+        trainer.ref_model = trainer._frozen_copy()
+    history = [trainer.grpo_step()]
+    weights = {name: full(p) for name, p in trainer.train_model.named_parameters()}
+    # the engine samples from the rollout model synced from the updated (sharded) policy
+    rl = trainer.cfg.rl
+    share = rl.prompts_per_step // (trainer.dims.dp * trainer.num_shares)
+    first = trainer.dp_rank * share * trainer.num_shares + trainer.share_rank * share
+    trainer._sync()
+    rollouts = trainer.rollouts.generate(trainer.backend, trainer.env, trainer.tokenizer,
+                                         [trainer.train_problems[first + i] for i in range(share)], trainer.sampling(),
+                                         trainer.cfg.train.seed, 99, first_group=first)
+    if trainer.share_axes:
+        from meshtron.rl.policy import gather_objects
+
+        rollouts = gather_objects(rollouts, [trainer.mesh[a].get_group() for a in trainer.share_axes])
+    for r in rollouts:
+        r.advantage = 0.0
+    batch, real = trainer._policy_batches(train_sequences(rollouts, rl.aggregation, rl.max_new_tokens,
+                                                          trainer.group("dp")))
+    trainer.model.train()
+    trainer._log_probs(trainer.model if trainer.pipeline is None else trainer.pipeline.parts, batch, "trainer")
+    gap = 0.0
+    for mb in batch[:real]:
+        if "trainer" in mb:  # under pp: on the last stage
+            mask = mb["weights"] > 0
+            gap = max(gap, float((mb["trainer"] - mb["rollout_log_probs"])[mask].abs().max()))
+    sharded = any(isinstance(p, DTensor) for p in trainer.train_model.parameters())
+    return history, grads, weights, gap, sharded

@@ -6,9 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.rl.grpo import supervised_step
-from meshtron.rl.packing import TrainSequence
-from tests.rl.helpers import TOKENIZER, tiny_model
 from tests.rl.test_grpo import rl_config
 
 
@@ -20,17 +17,28 @@ def linear_output_dtypes(model) -> list[torch.dtype]:
     return seen
 
 
+class _Logger:
+    def __init__(self):
+        self.records = []
+
+    def log(self, step, metrics, kind="train"):
+        self.records.append(metrics)
+
+
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_supervised_step_forward_runs_in_the_precision(precision, dtype):
-    model = tiny_model()
-    seen = linear_output_dtypes(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    seqs = [TrainSequence([1, 2, 3, 4, 5, 6], 2, 0.25), TrainSequence([7, 8, 9, 10], 1, 0.25)]
-    metrics = supervised_step(model, optimizer, seqs, 16, TOKENIZER.pad_id, 2, torch.device("cpu"), 0.0, 0.0,
-                              precision=precision)
+def test_warmup_forward_runs_in_the_precision(tmp_path, precision, dtype):
+    """The warm-up step (the trainer's accumulate/step with the supervised objective) autocasts."""
+    from meshtron.rl.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(rl_config(tmp_path, **{"train.train_iters": 1, "train.device": "cpu",
+                                                 "train.precision": precision, "rl.warmup_steps": 1,
+                                                 "rl.warmup_batch_size": 4}))
+    seen = linear_output_dtypes(trainer.model)
+    logger = _Logger()
+    trainer.warmup(logger)
     assert seen and set(seen) == {dtype}
-    assert all(p.dtype == torch.float32 for p in model.parameters())   # master weights stay fp32
-    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())   # master weights stay fp32
+    assert torch.isfinite(torch.tensor(logger.records[-1]["loss"]))
 
 
 def test_the_grpo_trainer_resolves_auto_to_fp32_on_a_cpu(tmp_path):
