@@ -22,9 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 MODES = ("hf-to-meshtron/streaming", "hf-to-meshtron/load-all", "meshtron-to-hf/streaming", "meshtron-to-hf/load-all")
 
@@ -57,30 +59,49 @@ def write_random_llama(directory: Path, hidden: int, layers: int, ffn: int, voca
             "largest_tensor_bytes": max(s.nbytes for s in specs)}
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} missing from /proc/self/status (this benchmark needs Linux)")
 
 
-def run_mode(mode: str, hf_dir: str, ckpt: str, out: str) -> None:
-    """Child process: convert once, print {'seconds', 'start_rss_bytes', 'peak_rss_bytes'} as JSON."""
-    from meshtron.models.hf.convert import hf_to_meshtron, meshtron_to_hf
-
-    start_rss = _status_bytes("VmRSS")
+def timed_conversion(convert: Callable[[], object]) -> None:
+    """Child process: run `convert` once, print {'seconds', 'start_rss_bytes', 'peak_rss_bytes'} as JSON."""
+    start_rss = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS: imports do not count
     start = time.perf_counter()
-    if mode == "hf-to-meshtron/streaming":
-        hf_to_meshtron(hf_dir, ckpt, streaming=True)
-    elif mode == "hf-to-meshtron/load-all":
-        hf_to_meshtron(hf_dir, ckpt, streaming=False)
-    elif mode == "meshtron-to-hf/streaming":
-        meshtron_to_hf(ckpt, out, streaming=True)
-    elif mode == "meshtron-to-hf/load-all":
-        meshtron_to_hf(ckpt, out, streaming=False)
+    convert()
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "start_rss_bytes": start_rss, "peak_rss_bytes": _status_bytes("VmHWM")}))
+    print(json.dumps({"seconds": seconds, "start_rss_bytes": start_rss, "peak_rss_bytes": status_bytes("VmHWM")}))
+
+
+def run_child(script: str, mode: str, *paths: Path) -> dict:
+    """`script --child mode paths...` in a fresh interpreter -> the JSON its `timed_conversion` printed."""
+    cmd = [sys.executable, script, "--child", mode, *map(str, paths)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, output: str) -> None:
+    """The model shape (default: a ~100M-parameter Llama) and the run's options, shared by the converter benchmarks."""
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=12288)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", default=output)
+
+
+def run_mode(mode: str, hf_dir: str, ckpt: str, out: str) -> None:
+    from meshtron.models.hf.convert import hf_to_meshtron, meshtron_to_hf
+
+    streaming = mode.endswith("/streaming")
+    if mode.startswith("hf-to-meshtron"):
+        timed_conversion(lambda: hf_to_meshtron(hf_dir, ckpt, streaming=streaming))
+    else:
+        timed_conversion(lambda: meshtron_to_hf(ckpt, out, streaming=streaming))
 
 
 def measure(mode: str, hf_dir: Path, work: Path) -> dict:
@@ -88,9 +109,7 @@ def measure(mode: str, hf_dir: Path, work: Path) -> dict:
     if mode.startswith("hf-to-meshtron"):
         shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--child", mode, str(hf_dir), str(ckpt), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(__file__, mode, hf_dir, ckpt, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,13 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         run_mode(*argv[1:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=12288)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default="benchmarks/results/convert.json")
+    add_shape_arguments(parser, "benchmarks/results/convert.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="meshtron-convert-bench-") as tmp:
         work = Path(tmp)

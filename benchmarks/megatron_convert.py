@@ -20,14 +20,14 @@ import json
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from benchmarks.convert import add_shape_arguments, run_child, timed_conversion  # noqa: E402
 
 MODES = ("megatron-to-meshtron", "meshtron-to-megatron")
 
@@ -52,34 +52,19 @@ def write_random_megatron(save_dir: Path, hidden: int, layers: int, heads: int, 
             "largest_stacked_tensor_bytes": layers * max(t.numel() * t.element_size() for t in per_layer)}
 
 
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} missing from /proc/self/status (this benchmark needs Linux)")
-
-
 def run_mode(mode: str, megatron_dir: str, ckpt: str, out: str) -> None:
-    """Child process: convert once, print {'seconds', 'start_rss_bytes', 'peak_rss_bytes'} as JSON."""
     from meshtron.models.megatron.convert import megatron_to_meshtron, meshtron_to_megatron
 
-    start_rss = _status_bytes("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS: imports do not count
-    start = time.perf_counter()
     if mode == "megatron-to-meshtron":
-        megatron_to_meshtron(megatron_dir, ckpt)
+        timed_conversion(lambda: megatron_to_meshtron(megatron_dir, ckpt))
     else:
-        meshtron_to_megatron(ckpt, out)
-    seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "start_rss_bytes": start_rss, "peak_rss_bytes": _status_bytes("VmHWM")}))
+        timed_conversion(lambda: meshtron_to_megatron(ckpt, out))
 
 
 def measure(mode: str, work: Path) -> dict:
     ckpt, out = work / "ckpt", work / "out"
     shutil.rmtree(ckpt if mode == "megatron-to-meshtron" else out, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--child", mode, str(work / "megatron"), str(ckpt), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(__file__, mode, work / "megatron", ckpt, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,13 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         run_mode(*argv[1:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=12288)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default="benchmarks/results/megatron_convert.json")
+    add_shape_arguments(parser, "benchmarks/results/megatron_convert.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="meshtron-megatron-bench-") as tmp:
         work = Path(tmp)
