@@ -104,3 +104,16 @@ def wait_ready(url: str, proc=None, timeout_s: float = 180.0) -> None:
             pass
         time.sleep(0.05)
     raise RuntimeError("server did not become ready")
+
+
+class RecordingRunner:
+    """A TP follower's model runner that records what it is asked to do (the leader/follower tests)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward_only(self, chunks):
+        self.calls.append(("step", chunks))
+
+    def release(self):
+        self.calls.append(("release", None))

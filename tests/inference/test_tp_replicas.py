@@ -12,23 +12,10 @@ import time
 import pytest
 
 from meshtron.testing.multiprocess import rank_backend, rank_device_type, run_ranks
-from tests.inference.helpers import save_tiny_checkpoint, workload
+from tests.inference.helpers import RecordingRunner, save_tiny_checkpoint, workload
 
 ENGINE = dict(num_blocks=128, block_size=4, max_num_batched_tokens=16)
 LEADERS = (0, 1)  # the leader's rank within replica 0 and within replica 1 (global ranks 0 and 3)
-
-
-class _Runner:
-    """What a follower's model runner is asked to do."""
-
-    def __init__(self):
-        self.calls = []
-
-    def forward_only(self, chunks):
-        self.calls.append(("step", chunks))
-
-    def release(self):
-        self.calls.append(("release", None))
 
 
 def _replica(world_size: int):
@@ -52,7 +39,7 @@ def messages_rank(rank: int, world_size: int):
 
     replica, tp, _ = _replica(world_size)
     if not tp.is_leader:
-        runner = _Runner()
+        runner = RecordingRunner()
         follow(runner, tp)
         return runner.calls
     leader = Leader(tp, ping_s=0.05)

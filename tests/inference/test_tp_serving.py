@@ -11,19 +11,7 @@ from datetime import timedelta
 import pytest
 
 from meshtron.testing.multiprocess import RankError, rank_backend, run_ranks
-
-
-class _Runner:
-    """What a follower's model runner is asked to do."""
-
-    def __init__(self):
-        self.calls = []
-
-    def forward_only(self, chunks):
-        self.calls.append(("step", chunks))
-
-    def release(self):
-        self.calls.append(("release", None))
+from tests.inference.helpers import RecordingRunner
 
 
 def idle_then_serve(rank: int, world_size: int, idle_s: float, group_timeout_s: float, ping: bool, leader_dies: bool):
@@ -37,7 +25,7 @@ def idle_then_serve(rank: int, world_size: int, idle_s: float, group_timeout_s: 
     # test-backend: gloo by design, as `meshtron serve` makes it: the leader's step objects travel on the CPU
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=group_timeout_s))
     if rank != 0:
-        runner = _Runner()
+        runner = RecordingRunner()
         follow(runner, group)
         return runner.calls
     leader = Leader(group, ping_s=group_timeout_s / 4 if ping else None)
