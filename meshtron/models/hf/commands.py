@@ -13,23 +13,35 @@ import argparse
 import functools
 import re
 import sys
+from collections.abc import Callable
 
 __meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
 
 
-def _user_errors(handler):
-    @functools.wraps(handler)
-    def run(args: argparse.Namespace) -> int:
-        from meshtron.config.fields import ConfigError
-        from meshtron.models.hf.adapter import ConversionError
-        from meshtron.models.hf.safetensors_io import SafetensorsError
+def exit_2_on(errors: Callable[[], tuple[type[BaseException], ...]]):
+    """Decorator for a command handler: the user errors `errors()` names (imported only when one is
+    raised, so the CLI starts fast) print one line and exit 2."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        def run(args: argparse.Namespace) -> int:
+            try:
+                return handler(args)
+            except errors() as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        return run
+    return wrap
 
-        try:
-            return handler(args)
-        except (ConversionError, SafetensorsError, ConfigError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return run
+
+def _conversion_errors() -> tuple[type[BaseException], ...]:
+    from meshtron.config.fields import ConfigError
+    from meshtron.models.hf.adapter import ConversionError
+    from meshtron.models.hf.safetensors_io import SafetensorsError
+
+    return ConversionError, SafetensorsError, ConfigError
+
+
+_user_errors = exit_2_on(_conversion_errors)
 
 
 def parse_size(text: str) -> int:
