@@ -39,6 +39,7 @@ from meshtron.inference.outputs import Detokenizer, RequestOutput
 from meshtron.inference.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from meshtron.inference.runner import ModelRunner, kv_bytes_per_token
 from meshtron.inference.scheduler import Scheduler
+from meshtron.models.blocks import SUBLAYERS
 
 Prompt = Union[str, Sequence[int]]
 
@@ -48,9 +49,10 @@ log = logging.getLogger("meshtron.engine")
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-# Sublayers the engine can run: attention keeps keys/values in the paged cache; Mamba keeps a
-# recurrent state per request in a state slot (inference/mamba_state.py); the others keep nothing.
-SUPPORTED_SUBLAYERS = {"*": "attention", "-": "MLP", "E": "mixture of experts", "M": "Mamba-2"}
+# Sublayers the engine can run (every symbol of models/blocks.SUBLAYERS today): attention keeps keys/values
+# in the paged cache; Mamba keeps a recurrent state per request in a state slot (inference/mamba_state.py);
+# the others keep nothing. A new symbol with state of its own needs the engine's support first.
+SUPPORTED_SUBLAYERS = {s: kind.name for s, kind in SUBLAYERS.items()}
 
 
 def check_supported(model: nn.Module) -> None:

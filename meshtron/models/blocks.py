@@ -68,17 +68,22 @@ def build_moe(cfg: ModelConfig, layer_id: int = 0, window_size: Optional[int] = 
 class SublayerKind:
     """What one pattern symbol means. `build(cfg, layer_id, window_size)` makes its mixer; `params(cfg)`
     counts the mixer's parameters and `matmul_params(cfg)` the matmul weights one token runs through
-    (of a MoE mixer the router, shared and top-k experts): the memory and FLOP accounting."""
+    (of a MoE mixer the router, shared and top-k experts): the memory and FLOP accounting. `name` is how
+    messages call it; `selective_recompute`: `parallel.activation_checkpoint: selective` recomputes it."""
     build: Callable[[ModelConfig, int, Optional[int]], nn.Module]
     params: Callable[[ModelConfig], int]
     matmul_params: Callable[[ModelConfig], int]
+    name: str = ""
+    selective_recompute: bool = False
 
 
 SUBLAYERS: dict[str, SublayerKind] = {
-    "*": SublayerKind(build_attention, accounting.attention_params, accounting.attention_matmul_params),
-    "-": SublayerKind(build_mlp, accounting.mlp_params, accounting.mlp_matmul_params),
-    "M": SublayerKind(build_mamba, accounting.mamba_params, accounting.mamba_matmul_params),
-    "E": SublayerKind(build_moe, accounting.moe_params, accounting.moe_active_matmul_params),
+    "*": SublayerKind(build_attention, accounting.attention_params, accounting.attention_matmul_params, "attention",
+                      selective_recompute=True),
+    "-": SublayerKind(build_mlp, accounting.mlp_params, accounting.mlp_matmul_params, "MLP"),
+    "M": SublayerKind(build_mamba, accounting.mamba_params, accounting.mamba_matmul_params, "Mamba-2",
+                      selective_recompute=True),
+    "E": SublayerKind(build_moe, accounting.moe_params, accounting.moe_active_matmul_params, "mixture of experts"),
 }
 
 

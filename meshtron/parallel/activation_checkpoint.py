@@ -12,7 +12,9 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-SELECTIVE = ("*", "M")  # the sublayers `selective` recomputes: attention and Mamba
+from meshtron.models.blocks import SUBLAYERS
+
+SELECTIVE = tuple(s for s, kind in SUBLAYERS.items() if kind.selective_recompute)  # attention and Mamba today
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
