@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import logging
 import signal
@@ -178,13 +177,26 @@ async def drain(state: ServerState, timeout_s: float) -> int:
     return await asyncio.to_thread(engine.abort_all, drain_error(timeout_s))
 
 
-def log_config(log_level: str) -> dict:
-    """uvicorn's logging, with the server's own logger ("meshtron") on uvicorn's handler."""
-    from uvicorn.config import LOGGING_CONFIG
+def configure_logging(log_level: str) -> None:
+    """uvicorn's log format on uvicorn's loggers and the server's own ("meshtron"), and nothing else.
+    uvicorn's default (`logging.config.dictConfig`) would first close every handler the process ever
+    made, which breaks a process that embeds the server (a test run, a notebook): their streams go too."""
+    import sys
 
-    cfg = copy.deepcopy(LOGGING_CONFIG)
-    cfg["loggers"]["meshtron"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
-    return cfg
+    from uvicorn.logging import AccessFormatter, DefaultFormatter
+
+    default = logging.StreamHandler(sys.stderr)
+    default.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    access = logging.StreamHandler(sys.stdout)
+    access.setFormatter(AccessFormatter('%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'))
+    for name, handler in (("uvicorn", default), ("uvicorn.access", access), ("meshtron", default)):
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if getattr(h, "meshtron_server", False)]:  # an earlier server's
+            logger.removeHandler(old)
+        handler.meshtron_server = True
+        logger.addHandler(handler)
+        logger.setLevel(log_level.upper())
+        logger.propagate = False
 
 
 def build_server(engine_factory: Callable[[], LLMEngine], host: str, port: int, drain_timeout_s: float = 30.0,
@@ -219,7 +231,8 @@ def build_server(engine_factory: Callable[[], LLMEngine], host: str, port: int, 
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    config_ = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(log_level),
+    configure_logging(log_level)
+    config_ = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
                              timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
     server = DrainingServer(config_)
     state.on_fatal = lambda: setattr(server, "should_exit", True)
