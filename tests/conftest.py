@@ -4,10 +4,33 @@ that builds a tiny run config."""
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    import torch
+
+    config.torch_safe_globals = list(torch.serialization.get_safe_globals())
+
+
+@pytest.fixture(autouse=True)
+def torch_weights_only_allowlist(request):
+    """Each test sees torch's own weights_only allowlist. Importing megatron-core (the Megatron interop
+    tests' reference, imported while collecting) adds numpy arrays, argparse.Namespace, PosixPath and its
+    own classes to it for the whole process, so meshtron's refusals of pickled objects would pass
+    unnoticed in later tests. The megatron tests keep megatron-core's additions (its loads need them)."""
+    import torch
+
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(request.config.torch_safe_globals)
+    megatron = sys.modules.get("megatron.core.safe_globals")
+    if megatron is not None and "megatron" in request.node.nodeid:
+        megatron.register_safe_globals()
+    yield
 
 TINY = {
     "model.num_layers": "2",

@@ -94,8 +94,6 @@ class PackedContext:
     document_ids: Optional[torch.Tensor] = None
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin), filled by the model
     _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)  # by window size
-    # FlexAttention BlockMasks by window size; not an __init__ argument (subclasses' arguments keep their places)
-    _block_masks: dict[Optional[int], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def for_tokens(cls, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
@@ -135,9 +133,12 @@ class PackedContext:
     @torch.compiler.disable  # built eagerly, once, even when the layer asking first is compiled
     def flex_block_mask(self, window_size: Optional[int] = None):
         """The `attention_mask(window_size)` as a FlexAttention BlockMask, built on first request."""
-        if window_size not in self._block_masks:
-            self._block_masks[window_size] = build_block_mask(self.positions, self.document_ids, window_size)
-        return self._block_masks[window_size]
+        # cached by window size in an attribute that is not a dataclass field: `dataclasses.replace` (FSDP's
+        # mixed-precision cast of forward inputs) builds the copy through __init__, which takes fields only
+        masks = self.__dict__.setdefault("_block_masks", {})
+        if window_size not in masks:
+            masks[window_size] = build_block_mask(self.positions, self.document_ids, window_size)
+        return masks[window_size]
 
 
 @dataclass

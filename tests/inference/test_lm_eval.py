@@ -214,7 +214,8 @@ def test_chat_generate_until_equals_transformers_greedy(server, tiny):
     model, tok = tiny["model"], tiny["tokenizer"]
     for sample in samples:
         prompt, gen_kwargs = sample["arguments"][0]
-        messages = json.loads(getattr(prompt, "prompt", prompt))
+        prompt = getattr(prompt, "prompt", prompt)
+        messages = json.loads(prompt[0] if isinstance(prompt, (tuple, list)) else prompt)  # lm-eval may log a 1-tuple
         ids = encode(tok, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         expected = hf_greedy_text(model, tok, ids, gen_kwargs["max_gen_toks"], gen_kwargs["until"])
         assert sample["resps"][0][0] == expected, messages
