@@ -62,3 +62,20 @@ def hf_dirs(tmp_path_factory):
 
 def load_hf(directory):
     return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def greedy_pair(hf, model, prompt_len: int = 9, new: int = 8) -> tuple[list[int], list[int]]:
+    """(transformers' greedy `generate`, meshtron's greedy tokens through a KV cache) from one random prompt."""
+    from meshtron.nn.context import KVCacheContext
+
+    prompt = torch.randint(0, 96, (1, prompt_len), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=new, do_sample=False)[0, prompt_len:].tolist()
+        ctx, tokens, ours = KVCacheContext(1, prompt_len + new), prompt, []
+        for _ in range(new):
+            next_id = model(tokens, ctx.begin(tokens))[:, -1].argmax(-1, keepdim=True)
+            ctx.advance()
+            ours.append(int(next_id))
+            tokens = next_id
+    return expected, ours
+

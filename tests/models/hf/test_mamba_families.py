@@ -17,8 +17,8 @@ from meshtron.config.schema import RunConfig
 from meshtron.models import GPTModel
 from meshtron.models.hf import ConversionError, adapter_for_hf, hf_to_meshtron, meshtron_to_hf
 from meshtron.models.hf.adapter import architecture_fields
-from meshtron.nn.context import KVCacheContext, PackedContext
-from tests.models.hf.conftest import load_hf, transformers
+from meshtron.nn.context import PackedContext
+from tests.models.hf.conftest import greedy_pair, load_hf, transformers
 from tests.models.hf.test_families import TOL, load_meshtron, read_safetensors
 
 MAMBA = dict(vocab_size=96, hidden_size=32, n_groups=2, chunk_size=8, conv_kernel=4)
@@ -90,15 +90,7 @@ def test_logits_match_transformers(name, dirs, tmp_path):
 def test_greedy_decoding_matches_transformers_generate(name, dirs, tmp_path):
     hf = load_hf(dirs[name])
     model = load_meshtron(hf_to_meshtron(dirs[name], tmp_path / "ckpt"))
-    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, 9:].tolist()
-        ctx, tokens, ours = KVCacheContext(1, 17), prompt, []
-        for _ in range(8):
-            next_id = model(tokens, ctx.begin(tokens))[:, -1].argmax(-1, keepdim=True)
-            ctx.advance()
-            ours.append(int(next_id))
-            tokens = next_id
+    expected, ours = greedy_pair(hf, model)
     assert ours == expected
 
 

@@ -20,9 +20,10 @@ from meshtron.config.schema import RunConfig
 from meshtron.models import GPTModel
 from meshtron.models.hf import adapter_for_hf, hf_to_meshtron, meshtron_to_hf
 from meshtron.models.hf.adapter import architecture_fields
-from meshtron.nn.context import KVCacheContext, PackedContext
-from tests.models.hf.conftest import load_hf, transformers
+from meshtron.nn.context import PackedContext
+from tests.models.hf.conftest import greedy_pair, load_hf, transformers
 from tests.models.hf.test_families import TOL, load_meshtron, read_safetensors
+from tests.models.hf.test_moe_families import build
 
 SMALL = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, initializer_range=0.2)
 LONG = 131072
@@ -81,18 +82,6 @@ FAST = {"qwen3_attention_bias", "llama_linear"}  # the default suite; the rest r
 PARAMS = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in NAMES]
 
 
-def build(config, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # move what init leaves at 1 or 0 (norms, biases, sinks, expert bias) so a swap would show
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name or name.endswith(("bias", "sinks")):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("router.weight") or name.endswith("gate.weight"):
-                p.normal_(0.0, 0.3)
-    return model
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_variants")
@@ -133,15 +122,7 @@ def test_greedy_decoding_matches_transformers_generate(name, dirs, tmp_path):
     directory = hf_dir(dirs, name)
     hf = load_hf(directory)
     model = load_meshtron(hf_to_meshtron(directory, tmp_path / "ckpt"))
-    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False)[0, 9:].tolist()
-        ctx, tokens, ours = KVCacheContext(1, 17), prompt, []
-        for _ in range(8):
-            next_id = model(tokens, ctx.begin(tokens))[:, -1].argmax(-1, keepdim=True)
-            ctx.advance()
-            ours.append(int(next_id))
-            tokens = next_id
+    expected, ours = greedy_pair(hf, model)
     assert ours == expected
 
 
