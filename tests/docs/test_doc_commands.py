@@ -334,3 +334,16 @@ def test_every_page_is_linked_from_the_index():
     missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md"))
                if p != index and p.resolve() not in linked]
     assert not missing, f"add these pages to docs/index.md (and, for a user-facing one, README's list): {missing}"
+
+
+def test_install_page_lists_every_extra():
+    """docs/install.md's extras table names exactly the extras of pyproject.toml (a new extra must be documented)."""
+    import re
+
+    from tests.docs.doc_commands import pyproject_extras
+
+    text = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([\w-]+)` \|", text, re.M))
+    extras = pyproject_extras()
+    assert listed == extras, (f"docs/install.md's extras table differs from pyproject.toml: missing {sorted(extras - listed)}, "
+                              f"not an extra {sorted(listed - extras)}")
