@@ -54,6 +54,10 @@ class EngineConfig:
     layout: str = option("varlen", "Batch layout: varlen (one packed row; attention per decode bucket and per "
                                    "prefill chunk), auto (cheapest by estimate: packed or rows of S tokens), "
                                    "packed (one row, one attention) or padded (one row per request)")
+    quantize: str = option("none", "Quantize the linear layers' weights after loading, through torchao (pip install "
+                                   "meshtron[quant]): none, int8-weight-only, int4-weight-only (groups of 128; a "
+                                   "CPU, or CUDA with dtype bfloat16), float8-weight-only or float8-dynamic (CUDA "
+                                   "compute capability >= 8.9); activations and the KV cache keep the dtype")
 
     # replaced by decode_attention: set only to say so (init-only, no flag, not a field)
     compile_decode_attention: InitVar[Optional[bool]] = None
@@ -62,6 +66,7 @@ class EngineConfig:
     LAYOUTS = ("varlen", "auto", "packed", "padded")
     DTYPES = ("auto", "float32", "bfloat16", "float16")
     DECODE_ATTENTIONS = ("auto", "gather", "compiled", "native", "flex")
+    QUANTIZE_MODES = ("none", "int8-weight-only", "int4-weight-only", "float8-weight-only", "float8-dynamic")
 
     def __post_init__(self, compile_decode_attention: Optional[bool], native_decode_attention: Optional[bool]) -> None:
         for name, value in (("compile_decode_attention", compile_decode_attention),
@@ -92,6 +97,8 @@ class EngineConfig:
         need(self.decode_attention in ("auto", "gather") or self.layout == "varlen", "decode_attention",
              self.decode_attention, f"it applies to the varlen layout only (layout is {self.layout!r}); set layout "
              "varlen, or decode_attention auto")
+        need(self.quantize in self.QUANTIZE_MODES, "quantize", self.quantize,
+             f"choose one of {', '.join(self.QUANTIZE_MODES)}")
         for name in GRAPH_BUCKET_FIELDS:
             need(all(b >= 1 for b in getattr(self, name)), name, getattr(self, name), "every bucket must be >= 1")
 

@@ -102,6 +102,10 @@ class LLMEngine:
         self.tokenizer, self.model_name = tokenizer, model_name
         state_cfg = MambaInferenceStateConfig.from_model(model)
         self.device = next(model.parameters()).device
+        if config is not None and config.quantize not in ("none", getattr(model, "quantization", "none")):
+            from meshtron.inference.quantize import quantize_model
+
+            quantize_model(model, config.quantize, self.device)  # in place, before the KV cache is sized
         # a null kv_cache_memory_mb: sized from free GPU memory after one profiled max-size step
         config = size_kv_cache(model, config or EngineConfig(), self.device, recurrent_state=state_cfg is not None)
         self.config = config.resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model),
