@@ -23,6 +23,7 @@ from meshtron.config.fields import ConfigError
 from meshtron.config.loader import OneLineParser, add_config_arguments, overrides_from_args
 from meshtron.config.reference import Section
 from meshtron.inference.config import EngineConfig, add_engine_arguments
+from meshtron.inference.dp_serving import add_dp_arguments, uses_replicas
 from meshtron.inference.server_config import add_server_arguments
 
 __meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
@@ -95,6 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     server_options = {"config": server_config_from_args(args), "api_key": resolve_api_key(args.api_key)}
     resolve_checkpoint(args.checkpoint)  # a wrong path fails here, in one line, before the server starts
+    if uses_replicas(args):  # --dp, --coordinator-port: the HTTP front of replicas; --coordinator: one replica
+        from meshtron.inference.dp_serving import serve_replicas
+
+        return serve_replicas(args, engine_cfg, server_options)
     if world_from_env()[2] > 1:  # under torchrun: tensor parallel over every rank, served from rank 0
         from meshtron.inference.tp_serving import serve_tensor_parallel
 
@@ -188,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "MESHTRON_API_KEY environment variable; neither: no key)")
     add_engine_arguments(srv)
     add_server_arguments(srv)
+    add_dp_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")

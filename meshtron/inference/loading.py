@@ -9,7 +9,7 @@ import yaml
 
 from meshtron.data.chat import read_chat_template
 
-__all__ = ["load_model_and_tokenizer", "model_name_for", "read_chat_template"]
+__all__ = ["load_model_and_tokenizer", "load_tokenizer", "model_name_for", "read_chat_template"]
 
 
 def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None, dtype: str = "float32"):
@@ -17,13 +17,12 @@ def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None, dtyp
     engine.dtype (auto: bfloat16 on CUDA, float32 on a CPU); the engine's KV cache takes the weights' dtype."""
     from meshtron.checkpoint import load_checkpoint, read_checkpoint_config
     from meshtron.config.loader import config_from_dict
-    from meshtron.data.tokenizer import build_tokenizer
     from meshtron.models import GPTModel
     from meshtron.training.precision import resolve_engine_dtype
     from meshtron.training.trainer import resolve_device
 
     cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(path)))
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokenizer = _tokenizer(cfg)
     device = resolve_device(device_name)
     model = GPTModel(cfg.model, tokenizer.vocab_size).to(device)
     if tp_mesh is not None:
@@ -35,8 +34,24 @@ def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None, dtyp
     # cast after loading: checkpoints hold fp32 master weights, loaded as they are, then cast once
     model.to(resolve_engine_dtype(dtype, device))
     model.eval()
-    tokenizer.chat_template = read_chat_template(cfg.tokenizer.path if cfg.tokenizer.type == "hf" else None)
     return model, tokenizer, model_name_for(path)
+
+
+def _tokenizer(cfg):
+    from meshtron.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokenizer.chat_template = read_chat_template(cfg.tokenizer.path if cfg.tokenizer.type == "hf" else None)
+    return tokenizer
+
+
+def load_tokenizer(path):
+    """Only the tokenizer (with its chat template) a checkpoint was trained with: what the HTTP front
+    of data-parallel replicas needs, without the weights."""
+    from meshtron.checkpoint import read_checkpoint_config
+    from meshtron.config.loader import config_from_dict
+
+    return _tokenizer(config_from_dict(yaml.safe_load(read_checkpoint_config(path))))
 
 
 def model_name_for(path) -> str:

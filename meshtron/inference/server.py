@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `LLMEngine`.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `LLMEngine`, or of several
+engine replicas through `dp_front.ReplicaFront` (which the server talks to as to one engine; /health
+then also reports the live replica count, and /metrics each replica's load).
 
 Endpoints: /v1/completions and /v1/chat/completions (server_completions.py; streaming as server-sent
 events), /v1/models, /health and /v1/health (200 when ready; 503 while loading, draining or failed),
@@ -28,6 +30,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from meshtron.inference.dp_metrics import replica_gauges
 from meshtron.inference.engine import LLMEngine
 from meshtron.inference.metrics import CONTENT_TYPE, ServerMetrics
 from meshtron.inference.protocol import ApiError
@@ -132,7 +135,13 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
         body = {"status": "ok" if state.status == "ready" else state.status}
         if state.error:
             body["error"] = state.error
-        return JSONResponse(body, 200 if state.status == "ready" else 503)
+        healthy = state.status == "ready"
+        replicas = getattr(state.engine, "live_replicas", None)  # data-parallel replicas behind a front
+        if replicas is not None:
+            body["replicas"] = replicas
+            if healthy and replicas == 0:  # requests wait for a replica to register meanwhile
+                healthy, body["status"], body["error"] = False, "unavailable", "no engine replica is registered"
+        return JSONResponse(body, 200 if healthy else 503)
 
     app.get("/health")(health)
     app.get("/v1/health")(health)
@@ -150,6 +159,8 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = state.engine.stats() if state.engine is not None else None
+        if stats is not None and "replicas" in stats:
+            replica_gauges(state.metrics.registry).update(stats)
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
 

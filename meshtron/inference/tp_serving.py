@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -142,6 +143,18 @@ def serve_tensor_parallel(checkpoint: str, engine_cfg: EngineConfig, *, model_na
     sharded model loaded on each, served from the group's rank 0 (`server_options`: `serve`'s config
     and api_key)."""
     from meshtron.inference.server import serve
+
+    def run(factory: Callable[[], LLMEngine]) -> int:
+        return serve(factory, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level, **server_options)
+
+    return run_tensor_parallel(checkpoint, engine_cfg, run, model_name=model_name, timeout_s=timeout_s)
+
+
+def run_tensor_parallel(checkpoint: str, engine_cfg: EngineConfig, lead_with: Callable[[Callable[[], LLMEngine]], int],
+                        *, model_name: Optional[str] = None, timeout_s: float = 600.0) -> int:
+    """Under torchrun: the TP group over all ranks; rank 0 calls `lead_with(factory)` (factory: its
+    leading engine; an HTTP server, or a data-parallel replica's worker) and returns what it returns,
+    the others follow until it stops."""
     from meshtron.parallel.dims import ParallelDims
     from meshtron.parallel.distributed import init_distributed, world_from_env
     from meshtron.training.trainer import resolve_device
@@ -163,7 +176,7 @@ def serve_tensor_parallel(checkpoint: str, engine_cfg: EngineConfig, *, model_na
             return lead(LLMEngine.from_checkpoint(checkpoint, engine_cfg, tp_mesh=mesh, model_name=model_name), leader)
 
         try:
-            return serve(factory, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level, **server_options)
+            return lead_with(factory)
         finally:
             leader("stop")  # release the followers even if the engine never came up
     finally:

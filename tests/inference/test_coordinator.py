@@ -1,5 +1,5 @@
 """The data-parallel coordinator with real processes on 127.0.0.1: a coordinator process, echo worker
-processes and a client here. Round-robin placement, PAUSE/UNPAUSE/SUSPEND/RESUME/STOP barriers with
+processes and a client here. Least-loaded placement (equal loads take turns), PAUSE/UNPAUSE/SUSPEND/RESUME/STOP barriers with
 acknowledgements, a killed worker's requests re-sent (none lost), 1,000 requests through 2 workers; real engine workers (`python -m
 meshtron.inference.coordinator_worker --checkpoint`) answering as the in-process engine does."""
 
@@ -61,15 +61,18 @@ def cluster():
     c.close()
 
 
-def test_round_robin_and_controls(cluster):
+def test_least_loaded_placement_and_controls(cluster):
     cluster.add_worker("a")
     cluster.add_worker("b")
     client = CoordinatorClient(cluster.address)
     cluster.wait_workers(client, 2)
-    responses = client.request_many([{"i": i} for i in range(10)])
+    client.control("PAUSE")  # nothing is answered while placing: each placement sees the loads before it
+    ids = [client.submit({"i": i}) for i in range(10)]
+    client.control("UNPAUSE")
+    responses = client.wait(ids)
     assert [r.result["echo"]["i"] for r in responses] == list(range(10))
     assert all(r.error is None and r.result["worker"] == r.worker for r in responses)
-    # strictly alternating placement: requests 0, 2, 4.. on one worker, 1, 3, 5.. on the other
+    # unit costs, equal loads take turns: requests 0, 2, 4.. on one worker, 1, 3, 5.. on the other
     workers = [r.worker for r in responses]
     assert set(workers) == {"a", "b"} and all(workers[i] != workers[i + 1] for i in range(9))
 
@@ -129,7 +132,7 @@ def test_thousand_requests_through_two_workers(cluster):
     assert [r.result["echo"]["i"] for r in responses] == list(range(1000))
     assert all(r.result["echo"]["text"] == "x" * (r.result["echo"]["i"] % 17) for r in responses)
     counts = {name: sum(r.worker == name for r in responses) for name in ("a", "b")}
-    assert counts == {"a": 500, "b": 500}
+    assert sum(counts.values()) == 1000 and min(counts.values()) >= 400  # two equal workers share the load
     client.close()
 
 
@@ -172,7 +175,10 @@ def test_real_engine_workers_from_a_checkpoint(tmp_path):
                   SamplingParams(max_tokens=5, temperature=0.8, seed=11, return_log_probs=True)]
         payloads = [{"prompt": p, "sampling": {k: v for k, v in vars(params[i % 2]).items() if not k.startswith("_")}}
                     for i, p in enumerate(prompts)]
-        responses = client.request_many(payloads, timeout_s=300)
+        client.control("PAUSE")  # placed before any is answered: equal loads take turns
+        ids = [client.submit(p) for p in payloads]
+        client.control("UNPAUSE")
+        responses = client.wait(ids, timeout_s=300)
         assert all(r.error is None for r in responses), [r.error for r in responses]
         workers = [r.worker for r in responses]
         assert set(workers) == {"e0", "e1"} and all(workers[i] != workers[i + 1] for i in range(len(workers) - 1))
