@@ -24,6 +24,7 @@ from meshtron.config.loader import OneLineParser, add_config_arguments, override
 from meshtron.config.reference import Section
 from meshtron.inference.config import EngineConfig, add_engine_arguments
 from meshtron.inference.dp_serving import add_dp_arguments, uses_replicas
+from meshtron.inference.pipeline_args import add_pipeline_arguments
 from meshtron.inference.server_config import add_server_arguments
 
 __meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
@@ -100,6 +101,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from meshtron.inference.dp_serving import serve_replicas
 
         return serve_replicas(args, engine_cfg, server_options)
+    if args.pp > 1 or args.tp is not None:  # --pp/--tp: pipeline stages (of TP ranks) under torchrun
+        from meshtron.inference.pipeline_args import parallel_degrees
+
+        pp, tp = parallel_degrees(args.pp, args.tp, world_from_env()[2])
+        if pp > 1:
+            from meshtron.inference.pipeline_engine import serve_pipeline_parallel
+
+            return serve_pipeline_parallel(args.checkpoint, engine_cfg, pp=pp, tp=tp, model_name=args.model_name,
+                                           host=args.host, port=args.port, drain_timeout_s=args.drain_timeout,
+                                           log_level=args.log_level, **server_options)
     if world_from_env()[2] > 1:  # under torchrun: tensor parallel over every rank, served from rank 0
         from meshtron.inference.tp_serving import serve_tensor_parallel
 
@@ -193,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "MESHTRON_API_KEY environment variable; neither: no key)")
     add_engine_arguments(srv)
     add_server_arguments(srv)
+    add_pipeline_arguments(srv)
     add_dp_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -362,11 +362,12 @@ def load_pipeline_member(checkpoint: str, config: EngineConfig, *, pp_group, tp_
                                  dtype=resolve_engine_dtype(config.dtype, device))
 
 
-def serve_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, *, pp: int, tp: int, model_name, host: str,
+def serve_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, *, pp: int, tp: Optional[int], model_name, host: str,
                             port: int, drain_timeout_s: float, log_level: str, timeout_s: float = 600.0,
                             **server_options) -> int:
-    """Under torchrun: pp stages of tp ranks each (pp x tp = the number of processes), served from the
-    pipeline's leader (tp rank 0 of the last stage: global rank (pp - 1) x tp)."""
+    """Under torchrun: pp stages of tp ranks each (pp x tp = the number of processes; tp None: the rest),
+    served from the pipeline's leader (tp rank 0 of the last stage: global rank (pp - 1) x tp)."""
+    from meshtron.inference.pipeline_args import parallel_degrees
     from meshtron.inference.server import serve
     from meshtron.inference.tp_serving import Leader, lead
     from meshtron.parallel.dims import ParallelDims
@@ -374,9 +375,7 @@ def serve_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, *, pp: in
     from meshtron.training.trainer import resolve_device
 
     world_size = world_from_env()[2]
-    if pp * tp != world_size:
-        raise ConfigError(f"--pp: pp ({pp}) x tp ({tp}) = {pp * tp} must equal the number of processes ({world_size}); "
-                          "change --pp/--tp or torchrun's --nproc-per-node")
+    pp, tp = parallel_degrees(pp, tp, world_size)
     device = resolve_device(engine_cfg.device)
     init_distributed(device, timeout_s)
     try:

@@ -13,7 +13,7 @@ from meshtron.config import ConfigError, ModelConfig
 from meshtron.inference.scheduler import ScheduledChunk
 from meshtron.models import GPTModel
 from meshtron.testing.multiprocess import rank_backend, rank_device_type, run_ranks
-from tests.inference.helpers import TOKENIZER, engine, greedy_params, tiny_model, workload
+from tests.inference.helpers import TOKENIZER, engine, greedy_params, save_tiny_checkpoint, tiny_model, workload
 
 # 12 blocks of 4 tokens for 8 requests of up to 25 tokens: preemption; 16 tokens a step: chunked prefill
 ENGINE = dict(num_blocks=12, block_size=4, max_num_batched_tokens=16)
@@ -47,23 +47,28 @@ def state_bytes(runner) -> dict[int, int]:
     return {i: runner.states.conv[i].nbytes + runner.states.ssm[i].nbytes for i in runner.states.conv}
 
 
-def pipeline_rank(rank: int, world_size: int, pp: int, tp: int, kind: str, prompts, max_tokens, options):
+def pipeline_rank(rank: int, world_size: int, pp: int, tp: int, kind: str, prompts, max_tokens, options,
+                  checkpoint=None):
+    """One rank of a pp x tp pipeline engine over `build_model(kind)`, or `checkpoint`'s model loaded
+    stage by stage (how `meshtron serve --pp` builds it)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from meshtron.inference.config import EngineConfig
-    from meshtron.inference.pipeline_engine import build_pipeline_member
+    from meshtron.inference.pipeline_engine import build_pipeline_member, load_pipeline_member
     from meshtron.inference.tp_serving import Leader, lead
     from meshtron.parallel.dims import ParallelDims
 
     dist.init_process_group(rank_backend(), timeout=timedelta(seconds=120))
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=pp, ep=1, world_size=world_size)
     mesh = dims.build_mesh(rank_device_type(), 120)
-    model = build_model(kind).to(rank_device_type())
-    member = build_pipeline_member(model, TOKENIZER, EngineConfig(device=rank_device_type(), **options),
-                                   pp_group=mesh["pp"].get_group(), tp_mesh=mesh["tp"] if tp > 1 else None,
-                                   timeout_s=120)
+    config = EngineConfig(device=rank_device_type(), **options)
+    where = dict(pp_group=mesh["pp"].get_group(), tp_mesh=mesh["tp"] if tp > 1 else None, timeout_s=120)
+    if checkpoint is not None:
+        member = load_pipeline_member(checkpoint, config, **where)
+    else:
+        member = build_pipeline_member(build_model(kind).to(rank_device_type()), TOKENIZER, config, **where)
     stage = {"stage": member.link.stage, "num_blocks": member.runner.cfg.num_blocks}
     if not member.is_leader:
         member.follow()
@@ -93,13 +98,14 @@ def attention_share(kind: str, pp: int, stage: int) -> float:
     return mine / pattern.count("*")
 
 
-def check_against_single_process(kind: str, pp: int, tp: int, options=ENGINE, num_requests: int = 8):
+def check_against_single_process(kind: str, pp: int, tp: int, options=ENGINE, num_requests: int = 8,
+                                 checkpoint=None):
     prompts, max_tokens = workload(num_requests, max_prompt=20, max_output=10)
     single, expected, preempted = single_process(kind, prompts, max_tokens)
     assert preempted > 0  # the workload does exercise preemption
     assert any(len(p) > options["max_num_batched_tokens"] for p in prompts)  # and chunked prefill
     results = run_ranks("tests.inference.test_pipeline_engine:pipeline_rank", pp * tp, timeout_s=300, pp=pp, tp=tp,
-                        kind=kind, prompts=prompts, max_tokens=max_tokens, options=options)
+                        kind=kind, prompts=prompts, max_tokens=max_tokens, options=options, checkpoint=checkpoint)
     leader = results[(pp - 1) * tp]  # tp rank 0 of the last stage leads
     assert leader["tokens"] == expected
     assert leader["preempted"] > 0
@@ -119,8 +125,9 @@ def check_against_single_process(kind: str, pp: int, tp: int, options=ENGINE, nu
     return results
 
 
-def test_pp2_dense_equals_single_process_and_kv_per_stage():
-    check_against_single_process("gqa-rope", pp=2, tp=1)
+def test_pp2_dense_from_a_checkpoint_equals_single_process_and_kv_per_stage(tmp_path):
+    # the stages load their own parameters from the checkpoint, as `meshtron serve --pp 2` does
+    check_against_single_process("gqa-rope", pp=2, tp=1, checkpoint=save_tiny_checkpoint(tmp_path / "ckpt"))
 
 
 @pytest.mark.parametrize("kind", ["moe", "hybrid"])
