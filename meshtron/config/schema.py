@@ -132,6 +132,9 @@ class TrainConfig:
     debug_nonfinite_steps: list[int] = option([], "Testing aid: force a non-finite loss at these steps")
     init_from_hf: Optional[str] = option(None, "Start from a Hugging Face model directory (config.json + safetensors): "
                                                "architecture and weights come from it, dropout/init/MTP from model.*")
+    float8: bool = option(False, "Float8 matmuls in the linear layers (torchao convert_to_float8_training, tensorwise "
+                                 "scales; the output head and dims not multiples of 16 stay) on a CUDA GPU of compute "
+                                 "capability >= 8.9; refused elsewhere (pip install meshtron[quant])")
 
     def validate(self) -> None:
         check(self.train_iters >= 1, "train.train_iters", self.train_iters, "must be >= 1")

@@ -29,9 +29,14 @@ def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
 
 
 def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMesh | None, cfg: RunConfig) -> None:
-    """Apply TP, EP, activation checkpointing, compile and FSDP to each model part, in that order."""
+    """Apply float8 training (train.float8), TP, EP, activation checkpointing, compile and FSDP to each
+    model part, in that order."""
     p = cfg.parallel
     for part in parts:
+        if cfg.train.float8:  # float8 linears first: TP, compile and FSDP then wrap the converted modules
+            from meshtron.training.float8 import apply_float8_training
+
+            apply_float8_training(part, next(part.parameters()).device, tp=dims.tp)
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
         expert_axes = (("ep",) if dims.ep > 1 else ()) + (("tp",) if p.expert_tensor_parallel and dims.tp > 1 else ())
