@@ -1,0 +1,195 @@
+"""Serving past one process: the throughput a parallel layout gets against one process at equal total threads.
+
+    --mode pp   pipeline-parallel serving (`meshtron.inference.pipeline_engine`): `--pp` stages, one
+                process each with `--threads` intra-op threads, against one process with pp x threads
+                threads, on the same seeded offline workload (every request arrives at t=0, greedy, eos
+                ignored so every request makes its drawn number of tokens). The ratio is the pipeline's
+                cost: the hidden states sent between stages, the step's bubble of (pp - 1) / (m + pp - 1)
+                with m micro-batches (`--micro-batches`, 0: pp), and smaller matrix products per process.
+                Both runs must produce the same tokens (checked). The stages run on gloo ranks of one
+                machine (`meshtron.testing.multiprocess.run_ranks`), so the transfers are local copies.
+
+Each run is repeated `--repeats` times, single and pipelined alternating, and the median wall time is
+reported (the machine may be shared). Output: a table and JSON (`--output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+DEFAULT_OUTPUT = Path("benchmarks/results/serve_parallel.json")
+
+
+def build_workload(num_requests: int, seed: int, prompt_range: tuple[int, int],
+                   output_range: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts, outputs = [], []
+    for _ in range(num_requests):
+        n = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=g))
+        prompts.append(torch.randint(0, 256, (n,), generator=g).tolist())
+        outputs.append(int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=g)))
+    return prompts, outputs
+
+
+def build_model(layers: int, hidden: int, heads: int, max_len: int, seed: int):
+    from meshtron.config.schema import ModelConfig
+    from meshtron.models import GPTModel
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, max_position_embeddings=max_len,
+                      make_vocab_size_divisible_by=1, init_method_std=0.1)
+    return GPTModel(cfg, 262).eval()  # the byte tokenizer's vocabulary
+
+
+def _params(outputs: list[int]):
+    from meshtron.inference.request import SamplingParams
+
+    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
+
+
+def _engine_config(spec: dict[str, Any], micro_batches: int = 0):
+    from meshtron.inference.config import EngineConfig
+
+    return EngineConfig(device="cpu", max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_batched"],
+                        num_blocks=spec["num_blocks"], block_size=16, pp_micro_batches=micro_batches)
+
+
+def _timed_generate(engine, prompts, outputs) -> tuple[float, list[list[int]]]:
+    engine.generate(prompts[:2], _params([2, 2]))  # warm-up: kernels, allocations
+    start = time.perf_counter()
+    out = engine.generate(prompts, _params(outputs))
+    return time.perf_counter() - start, [o.token_ids for o in out]
+
+
+def run_single(spec: dict[str, Any], prompts, outputs, threads: int) -> tuple[float, list[list[int]]]:
+    from meshtron.data.tokenizer import ByteTokenizer
+    from meshtron.inference.engine import LLMEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = build_model(spec["layers"], spec["hidden"], spec["heads"], spec["max_len"], spec["seed"])
+        return _timed_generate(LLMEngine(model, ByteTokenizer(), _engine_config(spec)), prompts, outputs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def pp_rank(rank: int, world_size: int, spec: dict[str, Any], prompts, outputs, threads: int, micro_batches: int):
+    """One stage of the pipeline (run_ranks target): the leader returns (wall seconds, tokens)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtron.data.tokenizer import ByteTokenizer
+    from meshtron.inference.pipeline_engine import build_pipeline_member
+    from meshtron.inference.tp_serving import Leader, lead
+    from meshtron.parallel.dims import ParallelDims
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=world_size, ep=1, world_size=world_size)
+    mesh = dims.build_mesh("cpu", 600)
+    model = build_model(spec["layers"], spec["hidden"], spec["heads"], spec["max_len"], spec["seed"])
+    member = build_pipeline_member(model, ByteTokenizer(), _engine_config(spec, micro_batches),
+                                   pp_group=mesh["pp"].get_group(), timeout_s=600)
+    if not member.is_leader:
+        member.follow()
+        return None
+    engine = lead(member.engine, Leader(member.messages))
+    try:
+        return _timed_generate(engine, prompts, outputs)
+    finally:
+        engine.shutdown()
+
+
+def run_pipeline(spec: dict[str, Any], prompts, outputs, pp: int, threads: int,
+                 micro_batches: int) -> tuple[float, list[list[int]]]:
+    from meshtron.testing.multiprocess import run_ranks
+
+    results = run_ranks("meshtron.bench.serve_parallel:pp_rank", pp, timeout_s=1800, spec=spec, prompts=prompts,
+                        outputs=outputs, threads=threads, micro_batches=micro_batches)
+    return results[-1]  # the leader: the last stage
+
+
+def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
+    spec = {"layers": args.layers, "hidden": args.hidden_size, "heads": args.heads, "seed": args.seed,
+            "max_len": args.prompt_len[1] + args.output_len[1], "max_num_seqs": args.max_num_seqs,
+            "max_batched": args.max_num_batched_tokens,
+            "num_blocks": args.num_requests * -(-(args.prompt_len[1] + args.output_len[1]) // 16)}
+    prompts, outputs = build_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+    tokens = sum(outputs)
+    micro = sorted({args.micro_batches or args.pp, 1})
+    walls: dict[str, list[float]] = {"single": [], **{f"pp{args.pp} m={m}": [] for m in micro}}
+    reference, agree = None, True
+    for _ in range(args.repeats):
+        wall, out = run_single(spec, prompts, outputs, args.pp * args.threads)
+        walls["single"].append(wall)
+        reference = reference or out
+        for m in micro:
+            wall, out = run_pipeline(spec, prompts, outputs, args.pp, args.threads, m)
+            walls[f"pp{args.pp} m={m}"].append(wall)
+            agree = agree and out == reference
+    rows = []
+    single = statistics.median(walls["single"])
+    for name, w in walls.items():
+        wall = statistics.median(w)
+        rows.append({"system": name, "wall_s": round(wall, 3), "output_tokens_per_s": round(tokens / wall, 1),
+                     "vs_single": round(single / wall, 3), "walls": [round(x, 3) for x in w]})
+    return {"mode": "pp", "rows": rows, "same_tokens": agree, "output_tokens": tokens,
+            "note": f"{args.pp} stages x {args.threads} thread(s) against one process with {args.pp * args.threads} "
+                    f"threads; m = micro-batches per step"}
+
+
+MODES = {"pp": mode_pp}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve_parallel", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=sorted(MODES), default="pp", help="which layout to measure (default pp)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step of the pipeline (0: pp); "
+                                                                "m=1 is always run too, to show what they buy")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per stage process (default 1)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON results (default {DEFAULT_OUTPUT})")
+    return p
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"{'system':<16} {'wall s':>8} {'out tok/s':>10} {'vs single':>10}")
+    for r in result["rows"]:
+        print(f"{r['system']:<16} {r['wall_s']:>8.3f} {r['output_tokens_per_s']:>10.1f} {r['vs_single']:>10.3f}")
+    print(result["note"])
+    if "same_tokens" in result:
+        print("same tokens as the single process:", "yes" if result["same_tokens"] else "NO")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = MODES[args.mode](args)
+    result.update(args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  machine={"platform": platform.platform(), "cpus": torch.get_num_threads(),
+                           "torch": torch.__version__})
+    print_table(result)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    existing = json.loads(args.output.read_text()) if args.output.exists() else {}
+    existing[args.mode] = result
+    args.output.write_text(json.dumps(existing, indent=1) + "\n")
+    return 0 if result.get("same_tokens", True) else 1
