@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from typing import Optional
 
@@ -37,8 +38,10 @@ ENGINE_SECTION = Section("engine", EngineConfig, "the inference engine behind `m
 def cmd_train(args: argparse.Namespace) -> int:
     from meshtron.config.loader import load_config
     from meshtron.training import Trainer
+    from meshtron.training.run_dir import check_run_dir
 
     cfg = load_config(args.config, overrides_from_args(args))
+    check_run_dir(cfg)
     Trainer(cfg).train()
     return 0
 
@@ -46,8 +49,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_distill(args: argparse.Namespace) -> int:
     from meshtron.config.loader import load_config
     from meshtron.distill import DistillTrainer
+    from meshtron.training.run_dir import check_run_dir
 
     cfg = load_config(args.config, overrides_from_args(args))
+    check_run_dir(cfg)
     DistillTrainer(cfg).train()
     return 0
 
@@ -73,6 +78,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens: {args.max_new_tokens} is not allowed; must be >= 1")
     engine = LLMEngine.from_checkpoint(args.checkpoint, engine_config_from_args(args, skip=("seed",)))
     prompt_ids = engine.tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        # no prompt: sample a document from its start, the token that begins one in training (bos when the
+        # tokenizer has one, else the end-of-document token that separates documents); it is not printed
+        bos = getattr(engine.tokenizer, "bos_id", None)
+        prompt_ids = [bos if bos is not None else engine.tokenizer.eod_id]
+        print("no --prompt: sampling from the start of a document", file=sys.stderr)
     # like the reference loop: stop at the context length rather than refuse a long request
     max_tokens = max(1, min(args.max_new_tokens, engine.config.max_model_len - len(prompt_ids)))
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -85,7 +96,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail in one line before the checkpoint loads when the address cannot be listened on (a port in
+    use), instead of uvicorn's log lines after it. uvicorn binds with SO_REUSEADDR too, so a port
+    held only by closed connections in TIME_WAIT passes, as it does for uvicorn."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror})"
+            raise ConfigError(f"--port: {host}:{port} {why}; stop that server or pass another --port") from None
+
+
+def serve_summary(engine, host: str, port: int) -> str:
+    """The start-up line of `meshtron serve`: model, size, dtype, KV cache and length limits, address."""
+    c = engine.config
+    model = engine.runner.model
+    num_params = sum(p.numel() for p in model.parameters())
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return (f"serving {engine.model_name} on http://{host}:{port}: {num_params / 1e6:.1f}M parameters, {dtype} on "
+            f"{engine.device.type}, KV cache {c.num_blocks} blocks x {c.block_size} tokens "
+            f"({c.num_blocks * c.block_size} tokens), max length {c.max_model_len}, up to {c.max_num_seqs} sequences")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
     from meshtron.checkpoint import resolve_checkpoint
     from meshtron.inference.config import engine_config_from_args
     from meshtron.inference.engine import LLMEngine
@@ -117,9 +157,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_tensor_parallel(args.checkpoint, engine_cfg, model_name=args.model_name, host=args.host,
                                      port=args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
                                      **server_options)
+    check_port_free(args.host, args.port)
 
     def factory() -> LLMEngine:
-        return LLMEngine.from_checkpoint(args.checkpoint, engine_cfg, model_name=args.model_name)
+        engine = LLMEngine.from_checkpoint(args.checkpoint, engine_cfg, model_name=args.model_name)
+        logging.getLogger("meshtron.serve").info(serve_summary(engine, args.host, args.port))
+        return engine
 
     return serve(factory, args.host, args.port, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
                  **server_options)
@@ -276,6 +319,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return int(e.code or 0)
     from meshtron.checkpoint import CheckpointError
     from meshtron.training import TrainingError
+    from meshtron.training.interrupt import RunInterrupted
 
     try:
         return int(args.func(args) or 0)
@@ -285,6 +329,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (CheckpointError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RunInterrupted as e:  # SIGTERM/SIGINT: a checkpoint was saved; 143 or 130, as schedulers expect
+        print(e, file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -15,7 +15,7 @@ def test_train_then_generate(tmp_path):
          "--train.run_dir", str(run), "--logger.log_interval", "1", "--train.peak_flops", "1e11"],
         capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr
-    assert "[train] step 3 | loss" in train.stdout
+    assert "[train] step 3/3 | loss" in train.stdout and "done: step 3/3 in " in train.stdout
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     gen = subprocess.run(
         [sys.executable, "-m", "meshtron", "generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "def ",

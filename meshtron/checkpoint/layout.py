@@ -66,6 +66,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (p / LATEST).is_file():
         p = _read_latest(p)
     if not (p / MANIFEST).is_file():
+        inside = p / "checkpoints"
+        if (inside / LATEST).is_file() or (inside.is_dir() and any(STEP_DIR.match(c.name) for c in inside.iterdir())):
+            raise CheckpointError(f"{str(p)!r} is a run directory, not a checkpoint; its checkpoints are in "
+                                  f"{str(inside)!r}: give that path")
         raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no {MANIFEST}; "
                               "the save was interrupted or the path is wrong)")
     return p

@@ -89,6 +89,7 @@ class CheckpointManager:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._stager = None   # async saves: staging buffers reused from one save to the next
+        self.extra_dirs: dict[str, Callable[[Path], None]] = {}
         self._group = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             from datetime import timedelta
@@ -101,12 +102,15 @@ class CheckpointManager:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
              trainer_state: dict[str, Any], config_yaml: str,
-             before_finalize: Optional[Callable[[Path], None]] = None) -> None:
+             before_finalize: Optional[Callable[[Path], None]] = None,
+             extra_dirs: Optional[dict[str, Callable[[Path], None]]] = None) -> None:
         """Write checkpoint `step`. With async_save the tensors are copied now and written in a thread.
 
         `before_finalize(tmp_dir)` runs after the files are written and before the rename (a test hook
-        to simulate a crash mid-save).
+        to simulate a crash mid-save). `extra_dirs`: {sub-directory: fill(path)}, files carried inside
+        the checkpoint (the tokenizer, checkpoint/carry.py), written by rank 0 and listed in the manifest.
         """
+        self.extra_dirs = extra_dirs or {}
         self.wait()
         state = model_optimizer_state(model, optimizer)
         if self.async_save:
@@ -159,6 +163,8 @@ class CheckpointManager:
         if _is_writer():
             write_trainer_state(tmp, trainer_state)
             (tmp / CONFIG).write_text(config_yaml)
+            for sub, fill in self.extra_dirs.items():
+                fill(tmp / sub)
             write_manifest(tmp, step, known=shard_hashes)
             if before_finalize is not None:
                 before_finalize(tmp)

@@ -271,7 +271,8 @@ class CheckpointConfig:
     """Saving and resuming (torch.distributed.checkpoint)."""
 
     save: Optional[str] = option(None, "Directory for checkpoints; null means <run_dir>/checkpoints")
-    save_interval: int = option(0, "Save every N steps (0: only at the end)")
+    save_interval: Optional[int] = option(None, "Save every N steps (0: only at the end); null: every train_iters/10 "
+                                                "steps, at least 50 and at most 1000 apart")
     save_at_end: bool = option(True, "Save when training finishes")
     load: Optional[str] = option(None, "Resume from this checkpoint directory (a step dir or its parent with 'latest'); "
                                        "auto: from the save directory if it holds one, else start fresh (for restarts)")
@@ -279,10 +280,11 @@ class CheckpointConfig:
     async_save: bool = option(False, "Write checkpoints in a background thread")
 
     def validate(self) -> None:
-        check(self.save_interval >= 0, "checkpoint.save_interval", self.save_interval, "must be >= 0")
+        check(self.save_interval is None or self.save_interval >= 0, "checkpoint.save_interval", self.save_interval,
+              "must be >= 0 or null")
         check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, "must be >= 0")
         if self.load == AUTO_LOAD:
-            check(self.save_interval > 0 or self.save_at_end, "checkpoint.load", self.load,
+            check(self.save_interval != 0 or self.save_at_end, "checkpoint.load", self.load,
                   "auto resumes from checkpoints this run saves, but save_interval is 0 and save_at_end false: "
                   "set checkpoint.save_interval")
 
@@ -294,8 +296,11 @@ class LoggerConfig:
     log_interval: int = option(10, "Log metrics every N steps")
     progress_bar: Literal["auto", "on", "off"] = option("auto", "Progress bar (auto: only on a terminal)")
     tensorboard: bool = option(False, "Write TensorBoard events to <run_dir>/tensorboard (extra 'track')")
-    wandb: bool = option(False, "Log to Weights & Biases in offline mode (extra 'track')")
+    wandb: bool = option(False, "Log to Weights & Biases (extra 'track'); logger.wandb_mode says online or offline")
     wandb_project: str = option("meshtron", "W&B project name")
+
+    wandb_mode: Optional[Literal["online", "offline"]] = option(
+        None, "W&B mode; null: the WANDB_MODE environment variable if set, else offline (nothing uploaded unasked)")
 
     def validate(self) -> None:
         check(self.log_interval >= 1, "logger.log_interval", self.log_interval, "must be >= 1")
@@ -443,7 +448,8 @@ class RLConfig:
     engine_block_size: int = option(16, "Rollout engine: tokens per KV-cache block")
     warmup_steps: int = option(0, "Supervised warm-up steps on the environment's demonstrations before GRPO")
     warmup_batch_size: int = option(64, "Warm-up: demonstrations per step")
-    warmup_lr: float = option(1e-3, "Warm-up: learning rate (its own Adam, constant after 10 steps of linear warmup)")
+    warmup_lr: float = option(1e-3, "Warm-up: peak learning rate (its own Adam; linear warmup over 10 steps, "
+                                          "then cosine decay to a tenth of it)")
     eval_interval: int = option(10, "Evaluate on held-out problems every N GRPO steps, and before and after (0: "
                                     "only before and after)")
     eval_problems: int = option(200, "Held-out problems per evaluation")

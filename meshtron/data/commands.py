@@ -10,6 +10,7 @@ import argparse
 import functools
 import os
 import sys
+from pathlib import Path
 
 from meshtron.config.schema import TokenizerConfig
 from meshtron.data.indexed import DEFAULT_FORMAT, FORMATS
@@ -119,12 +120,21 @@ def _info_vocab_size(args: argparse.Namespace) -> int | None:
     return None
 
 
+def dataset_prefix(path: str) -> str:
+    """A dataset named by its prefix or by one of its two files: X, X.bin and X.idx all mean X (a
+    prefix that itself ends in .bin, with X.bin.bin beside it, stays as given)."""
+    for suffix in (".bin", ".idx"):
+        if path.endswith(suffix) and not Path(path + ".bin").exists() and Path(path[:-4] + ".bin").exists():
+            return path[:-4]
+    return path
+
+
 @_user_errors
 def cmd_data_info(args: argparse.Namespace) -> int:
     from meshtron.data.indexed import IndexedDataset, IndexedDatasetError
 
     vocab_size = _info_vocab_size(args)
-    for prefix in args.prefix:
+    for prefix in map(dataset_prefix, args.prefix):
         ds = IndexedDataset(prefix)
         max_id = ds.max_token_id
         # Without a recorded maximum, a question about the vocabulary needs the scan --verify does.
@@ -215,7 +225,7 @@ def register(subparsers) -> None:
                       help="tokenizer kind when it cannot be told from --tokenizer")
     conv.set_defaults(func=cmd_data_convert)
     info = data_sub.add_parser("info", help="print the size of indexed datasets (and check them)")
-    info.add_argument("prefix", nargs="+", help="dataset prefixes")
+    info.add_argument("prefix", nargs="+", help="dataset prefixes (PREFIX, PREFIX.bin or PREFIX.idx)")
     info.add_argument("--verify", action="store_true",
                       help="scan every token: checksum, maximum id, ids outside the vocabulary")
     info.add_argument("--vocab-size", type=int, default=None, metavar="N",

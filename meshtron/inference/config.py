@@ -60,6 +60,8 @@ class EngineConfig:
                                    "meshtron[quant]): none, int8-weight-only, int4-weight-only (groups of 128; a "
                                    "CPU, or CUDA with dtype bfloat16), float8-weight-only or float8-dynamic (CUDA "
                                    "compute capability >= 8.9); activations and the KV cache keep the dtype")
+    tokenizer: Optional[str] = option(None, "Tokenizer directory or file to use instead of the one saved with the "
+                                            "checkpoint (same tokenizer type); default: the checkpoint's own")
 
     # replaced by decode_attention: set only to say so (init-only, no flag, not a field)
     compile_decode_attention: InitVar[Optional[bool]] = None
@@ -170,7 +172,8 @@ def add_engine_arguments(parser, skip: tuple[str, ...] = ()) -> None:
             parser.add_argument(flag, dest=f.name, default=f.default, help=help_text + "; comma-separated",
                                 type=lambda s: tuple(int(x) for x in s.split(",") if x))
         else:
-            kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float, "str": str}[str(f.type)]
+            kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float, "str": str,
+                    "Optional[str]": str}[str(f.type)]
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
     for name, choice in REPLACED.items():  # the old flags say what replaced them (hidden from --help)
         flag = "--" + name.replace("_", "-")

@@ -145,7 +145,7 @@ class LLMEngine:
 
         config = config or EngineConfig()
         config.validate()
-        model, tokenizer, name = load_model_and_tokenizer(path, config.device, tp_mesh, config.dtype)
+        model, tokenizer, name = load_model_and_tokenizer(path, config.device, tp_mesh, config.dtype, config.tokenizer)
         return cls(model, tokenizer, config, model_name=model_name or name)
 
     # ---- requests -------------------------------------------------------------------------------

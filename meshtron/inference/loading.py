@@ -5,23 +5,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from meshtron.data.chat import read_chat_template
 
 __all__ = ["load_model_and_tokenizer", "load_tokenizer", "model_name_for", "read_chat_template"]
 
 
-def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None, dtype: str = "float32"):
+def load_model_and_tokenizer(path, device_name: str = "auto", tp_mesh=None, dtype: str = "float32",
+                             tokenizer: str | None = None):
     """-> (model in eval mode with the checkpoint's weights, tokenizer, a model name). dtype: an
-    engine.dtype (auto: bfloat16 on CUDA, float32 on a CPU); the engine's KV cache takes the weights' dtype."""
-    from meshtron.checkpoint import load_checkpoint, read_checkpoint_config
-    from meshtron.config.loader import config_from_dict
+    engine.dtype (auto: bfloat16 on CUDA, float32 on a CPU); the engine's KV cache takes the weights' dtype.
+    tokenizer: a path replacing the checkpoint's tokenizer (engine.tokenizer, `--tokenizer`)."""
+    from meshtron.checkpoint import checkpoint_run_config, load_checkpoint
     from meshtron.models import GPTModel
     from meshtron.training.precision import resolve_engine_dtype
     from meshtron.training.trainer import resolve_device
 
-    cfg = config_from_dict(yaml.safe_load(read_checkpoint_config(path)))
+    cfg = checkpoint_run_config(path, tokenizer)   # the tokenizer it carries, found from any directory
     tokenizer = _tokenizer(cfg)
     device = resolve_device(device_name)
     model = GPTModel(cfg.model, tokenizer.vocab_size).to(device)
@@ -45,13 +44,12 @@ def _tokenizer(cfg):
     return tokenizer
 
 
-def load_tokenizer(path):
-    """Only the tokenizer (with its chat template) a checkpoint was trained with: what the HTTP front
-    of data-parallel replicas needs, without the weights."""
-    from meshtron.checkpoint import read_checkpoint_config
-    from meshtron.config.loader import config_from_dict
+def load_tokenizer(path, tokenizer: str | None = None):
+    """Only the tokenizer (with its chat template) a checkpoint was trained with, or `tokenizer`: what
+    the HTTP front of data-parallel replicas needs, without the weights."""
+    from meshtron.checkpoint import checkpoint_run_config
 
-    return _tokenizer(config_from_dict(yaml.safe_load(read_checkpoint_config(path))))
+    return _tokenizer(checkpoint_run_config(path, tokenizer))
 
 
 def model_name_for(path) -> str:

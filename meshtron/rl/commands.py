@@ -7,16 +7,12 @@ import argparse
 
 def cmd_rl(args: argparse.Namespace) -> int:
     from meshtron.config.loader import load_config, overrides_from_args
-    from meshtron.rl.plot import write_reward_plot
     from meshtron.rl.trainer import GRPOTrainer
+    from meshtron.training.run_dir import check_run_dir
 
     cfg = load_config(args.config, overrides_from_args(args))
-    trainer = GRPOTrainer(cfg)
-    trainer.train()
-    if trainer.rank == 0:
-        png = write_reward_plot(trainer.run_dir / "reward_curve.csv", trainer.run_dir / "reward_curve.png")
-        if png is not None:
-            print(f"reward curve: {png}")
+    check_run_dir(cfg)
+    GRPOTrainer(cfg).train()   # writes reward_curve.csv and, with the 'plot' extra, reward_curve.png
     return 0
 
 

@@ -68,9 +68,11 @@ from meshtron.rl.loss import PolicyLossConfig, token_weights, zero_variance_frac
 from meshtron.rl.packing import TrainSequence, micro_batches, pack_sequences
 from meshtron.rl.policy import frozen_copy, gather_objects, gather_weights
 from meshtron.rl.rollout import EvaluationAgent, GroupedRollouts, PassAtKEvaluator, RolloutGenerator, pass_at_k
+from meshtron.training.interrupt import signal_name
 from meshtron.training.lr_schedule import LRSchedule
-from meshtron.training.metrics import MetricsLogger
+from meshtron.training.metrics import MetricsLogger, format_duration
 from meshtron.training.optimizer import build_optimizer
+from meshtron.training.run_dir import save_interval
 from meshtron.training.trainer import StepResult, Trainer, rng_state, set_rng_state
 
 CURVE_FIELDS = ("step", "reward_mean", "reward_std", "greedy_success", "pass_at_k")
@@ -515,8 +517,9 @@ class GRPOTrainer(Trainer):
         self.logger = logger
         early = cfg.parallel.timeout_s / 2 if self.device.type == "cuda" else None
         self.watchdog = Watchdog(self.run_dir, cfg.parallel.timeout_s, report_after_s=early) if self.mesh is not None else None
-        started = time.perf_counter()
+        started = self.started = time.perf_counter()
         try:
+            self.stop.__enter__()   # SIGTERM/SIGINT: checkpoint at the next step boundary, then stop
             logger.message(f"model: {self.num_params / 1e6:.2f}M parameters, environment {'+'.join(cfg.env.names)}, "
                            f"{self.dims.world_size} process(es), "
                            f"{rl.prompts_per_step} prompts x {rl.group_size} samples per step")
@@ -530,15 +533,14 @@ class GRPOTrainer(Trainer):
             if rl.kl_beta > 0 and self.ref_model is None:
                 self.ref_model = self._frozen_copy()
             self._loop(logger)
-            with self._guard("evaluation after step", self.step):
-                final = self.evaluate()
-            logger.log(self.step, {**final, "wall_s": time.perf_counter() - started}, kind="eval")
-            self._curve_row(self.step, None, final)
-            if cfg.checkpoint.save_at_end:
-                with self._guard("checkpoint save at step", self.step):
-                    self.save()
-            self.checkpoints.wait()
+            if self.stopped_by is None:
+                with self._guard("evaluation after step", self.step):
+                    final = self.evaluate()
+                logger.log(self.step, {**final, "wall_s": time.perf_counter() - started}, kind="eval")
+                self._curve_row(self.step, None, final)
+            self.finish(logger)
         finally:
+            self.stop.__exit__()
             self.profiler.close()
             logger.close()
             self.logger = None
@@ -547,7 +549,7 @@ class GRPOTrainer(Trainer):
         return self.history
 
     def _loop(self, logger: MetricsLogger) -> None:
-        cfg = self.cfg
+        cfg, interval = self.cfg, save_interval(self.cfg)
         while self.step < cfg.train.train_iters:
             with self.profiler.step(self.step + 1):
                 metrics = self.grpo_step()
@@ -561,13 +563,35 @@ class GRPOTrainer(Trainer):
             if self.step % cfg.logger.log_interval == 0 or self.step == cfg.train.train_iters:
                 logger.log(self.step, metrics)
             self._curve_row(self.step, metrics, evaluation)
-            if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
+            if interval and self.step % interval == 0:
                 with self._guard("checkpoint save at step", self.step):
                     self.save()
+            if self.should_stop():
+                break
         averages = self.timers.averages()  # the trainer's phases of the optimizer steps (forward_backward, optimizer)
         if averages:
             logger.message("step phases (mean per GRPO step, first excluded): "
                            + " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in averages.items()))
+
+    def write_curves(self, logger: MetricsLogger) -> None:
+        """The reward curve (reward_curve.csv is written as the run goes; the PNG with the 'plot' extra)."""
+        from meshtron.rl.plot import write_reward_plot
+
+        csv_path = self.run_dir / "reward_curve.csv"
+        if csv_path.is_file():
+            png = write_reward_plot(csv_path, self.run_dir / "reward_curve.png")
+            logger.message(f"reward curve: {png or csv_path}")
+
+    def summary(self) -> str:
+        """The end-of-run line: steps, time, the last step's mean reward, the checkpoint."""
+        head = "done" if self.stopped_by is None else f"stopped by {signal_name(self.stopped_by)}"
+        parts = [f"{head}: step {self.step}/{self.cfg.train.train_iters} in "
+                 f"{format_duration(time.perf_counter() - self.started)}"]
+        if self.history and "reward_mean" in self.history[-1]:
+            parts.append(f"reward {self.history[-1]['reward_mean']:.4f}")
+        path = self.checkpoint_path()
+        parts.append(f"checkpoint {path}" if path is not None else "no checkpoint saved")
+        return " | ".join(parts)
 
     def _curve_row(self, step: int, metrics: Optional[dict], evaluation: Optional[dict]) -> None:
         """Append to <run_dir>/reward_curve.csv: the step's reward and, when evaluated, held-out success."""

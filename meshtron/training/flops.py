@@ -1,11 +1,16 @@
 """Peak FLOP/s for MFU and HBM bandwidth: a configured value, a known GPU's datasheet (dense
 tensor-core peak of the compute precision; bandwidth for the serve benchmark), or a square matmul
-measured in this process (fp32 on a CPU; the compute dtype on a GPU missing from the table)."""
+measured in this process (the compute dtype on a GPU missing from the table; fp32 on a CPU, measured
+once per machine and cached)."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -90,7 +95,48 @@ def resolve_peak_flops(configured: Optional[float], device: torch.device, precis
         return (measure_matmul_flops(device, dtype),
                 f"measured {str(dtype)[6:]} matmul: {name!r} is not in the datasheet table, so MFU reads high; "
                 "set train.peak_flops")
-    return measure_matmul_flops(device, torch.float32), "measured fp32 matmul"
+    return cpu_peak_flops()
+
+
+def peak_cache_path() -> Path:
+    """Where measured CPU peaks are kept: $XDG_CACHE_HOME/meshtron (default ~/.cache/meshtron)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshtron" / "peak_flops.json"
+
+
+def cpu_key() -> str:
+    """What a CPU measurement holds for: this machine, its CPU model, torch's thread count and version."""
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{platform.node()} | {model} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def cpu_peak_flops() -> tuple[float, str]:
+    """The fp32 matmul peak of this CPU, measured once per machine (1.5-5 s) and kept in
+    `peak_cache_path()` keyed by `cpu_key()`; later runs read it. Delete the file to measure again,
+    or set train.peak_flops."""
+    path, key = peak_cache_path(), cpu_key()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    value = cache.get(key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value), f"measured fp32 matmul, cached in {path}"
+    value = measure_matmul_flops(torch.device("cpu"), torch.float32)
+    try:   # best effort: a read-only home only costs the next run the measurement again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**cache, key: value}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value, "measured fp32 matmul"
 
 
 def measure_copy_bandwidth_gbps(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -1,5 +1,5 @@
 """Metric sinks: a JSONL file (always), the console (or a progress bar on a terminal), and
-TensorBoard / Weights & Biases (offline) as optional extras imported only when enabled."""
+TensorBoard / Weights & Biases as optional extras imported only when enabled."""
 
 from __future__ import annotations
 
@@ -26,12 +26,24 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key} {value}"
 
 
+def format_duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, total_steps: int, config_dict: Optional[dict] = None,
                  initial_step: int = 0, enabled: bool = True):
         """`enabled=False` (ranks other than 0) makes every method a no-op."""
         self.enabled = enabled
         self._bar = self._tb = self._wandb = self._jsonl = None
+        self.total_steps, self.initial_step = total_steps, initial_step
+        self.started = time.perf_counter()
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -48,8 +60,9 @@ class MetricsLogger:
                 str(self.run_dir / "tensorboard"))
         if cfg.wandb:
             wandb = require_tracker("wandb", TRACKERS["wandb"])
-            os.environ.setdefault("WANDB_MODE", "offline")
-            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.run_dir), config=config_dict or {})
+            mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.run_dir), config=config_dict or {},
+                                     mode=mode)
 
     def message(self, text: str) -> None:
         """A human-readable line that does not break the progress bar."""
@@ -73,7 +86,21 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in numeric.items()}, step=step)
         if echo:
-            self.message(f"[{kind}] step {step} | " + " | ".join(_fmt(k, v) for k, v in metrics.items()))
+            fields = [_fmt(k, v) for k, v in metrics.items()]
+            where = f"step {step}"
+            if kind == "train":
+                where = f"step {step}/{self.total_steps}"
+                fields += self._progress(step)
+            self.message(f"[{kind}] {where} | " + " | ".join(fields))
+
+    def _progress(self, step: int) -> list[str]:
+        """Elapsed time since the logger started and the time left at the rate of the steps taken since."""
+        elapsed = time.perf_counter() - self.started
+        done = step - self.initial_step
+        out = [f"elapsed {format_duration(elapsed)}"]
+        if done > 0 and step < self.total_steps:
+            out.append(f"eta {format_duration(elapsed / done * (self.total_steps - step))}")
+        return out
 
     def advance(self, n: int = 1, loss: Optional[float] = None) -> None:
         if self._bar is not None:

@@ -19,9 +19,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 
 from meshtron.checkpoint import CheckpointManager, load_checkpoint, trainer_state_errors
+from meshtron.checkpoint.carry import self_contained_config
 from meshtron.config.fields import ConfigError
 from meshtron.config.loader import config_to_dict, save_config
 from meshtron.config.schema import AUTO_LOAD, RunConfig
@@ -42,13 +42,16 @@ from meshtron.parallel.random import DROPOUT_RNG_KEY, apply_dropout_rng
 from meshtron.parallel.watchdog import Watchdog, step_time_extremes
 from meshtron.training.flops import resolve_peak_flops
 from meshtron.training.grad_capture import GradCapture
+from meshtron.training.interrupt import RunInterrupted, StopOnSignal, signal_name
 from meshtron.training.lr_schedule import LRSchedule
 from meshtron.training.memory import configure_cuda_allocator, interval_peak_memory
-from meshtron.training.metrics import MetricsLogger
+from meshtron.training.metrics import MetricsLogger, format_duration
 from meshtron.training.optimizer import build_optimizer
+from meshtron.training.plot import write_loss_curve
 from meshtron.training.precision import enable_tf32, resolve_precision
 from meshtron.training.profiling import Ranges, StepProfiler
 from meshtron.training.resume import resolve_load, save_dir
+from meshtron.training.run_dir import save_interval
 from meshtron.training.timers import Timers
 
 
@@ -126,6 +129,10 @@ class Trainer:
         self.num_skipped = 0
         self.history: list[StepResult] = []
         self.watchdog: Optional[Watchdog] = None
+        self.saved_step: Optional[int] = None        # the step of the newest checkpoint of this run
+        self.last_valid: Optional[tuple[int, float]] = None   # (step, loss) of the latest evaluation
+        self.stop = StopOnSignal()                   # SIGTERM/SIGINT during train(): checkpoint, then stop
+        self.stopped_by: Optional[int] = None
         self.checkpoints = CheckpointManager(save_dir(cfg), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                              timeout_s=cfg.parallel.timeout_s)
         self.resumed_from = resolve_load(cfg, self.device)  # checkpoint.load, or what `auto` found (None: fresh)
@@ -467,8 +474,10 @@ class Trainer:
                 "num_skipped": self.num_skipped, DROPOUT_RNG_KEY: self.dropout_rng.state_dict()}
 
     def save(self) -> None:
-        self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
-                              yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
+        config_yaml, carried = self_contained_config(config_to_dict(self.cfg))  # the tokenizer travels along
+        self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(), config_yaml,
+                              extra_dirs=carried)
+        self.saved_step = self.step
 
     def load(self, path: str | Path) -> None:
         state = load_checkpoint(path, self.model, self.optimizer)
@@ -481,11 +490,14 @@ class Trainer:
             self.num_skipped = int(state.get("num_skipped", 0))
             set_rng_state(state["rng"])
             self.dropout_rng.load_state_dict(state.get(DROPOUT_RNG_KEY), self.step)  # this rank's own streams
+        if Path(path).resolve().is_relative_to(self.checkpoints.save_dir.resolve()):
+            self.saved_step = self.step   # resumed from this run's own checkpoint: no need to write it again
 
     # ---- the loop ------------------------------------------------------------------------------
 
     def train(self) -> list[StepResult]:
         cfg, t = self.cfg, self.cfg.train
+        self.started = time.perf_counter()
         if self.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
         logger = MetricsLogger(cfg.logger, self.run_dir, t.train_iters, config_to_dict(cfg), initial_step=self.step,
@@ -494,18 +506,66 @@ class Trainer:
         early = cfg.parallel.timeout_s / 2 if self.device.type == "cuda" else None
         self.watchdog = Watchdog(self.run_dir, cfg.parallel.timeout_s, report_after_s=early) if self.mesh is not None else None
         try:
-            self._announce(logger)
-            self._loop(logger)
-            if cfg.checkpoint.save_at_end and (cfg.checkpoint.save_interval == 0 or self.step % cfg.checkpoint.save_interval):
-                with self._guard("checkpoint save at step", self.step):
-                    self.save()
-            self.checkpoints.wait()
+            with self.stop:
+                self._announce(logger)
+                self._loop(logger)
+                if self.stopped_by is None and t.eval_interval and self.step % t.eval_interval:
+                    self._evaluate_and_log(logger)   # the summary's valid loss is that of the final weights
+                self.finish(logger)
         finally:
             self.profiler.close()
             logger.close()
             if self.watchdog is not None:
                 self.watchdog.close()
         return self.history
+
+    # ---- the end of a run: final checkpoint, curves, summary; or a stop on a signal ----------------
+
+    def should_stop(self) -> bool:
+        """At a step boundary: did any rank get SIGTERM/SIGINT? Every rank answers the same (a collective)."""
+        with self._guard("stop-signal check after step", self.step):
+            self.stopped_by = self.stop.agreed(self.device)
+        return self.stopped_by is not None
+
+    def finish(self, logger: MetricsLogger) -> None:
+        """Save the final checkpoint (always after a stop signal), write the loss curve and the summary
+        line; after a signal raise `RunInterrupted` (exit code 143 for SIGTERM, 130 for SIGINT)."""
+        stopped = self.stopped_by is not None
+        if (self.cfg.checkpoint.save_at_end or stopped) and self.step != self.saved_step and self.step > 0:
+            with self._guard("checkpoint save at step", self.step):
+                self.save()
+        self.checkpoints.wait()
+        if self.rank == 0:
+            self.write_curves(logger)
+        logger.message(self.summary())
+        if stopped:
+            where = f"checkpoint {self.checkpoint_path()}" if self.saved_step is not None else "no checkpoint"
+            raise RunInterrupted(self.stopped_by, f"stopped by {signal_name(self.stopped_by)} at step {self.step} "
+                                                  f"({where}); resume with --checkpoint.load auto")
+
+    def write_curves(self, logger: MetricsLogger) -> None:
+        """loss_curve.csv and (with the 'plot' extra) loss_curve.png of train and valid loss. Extension
+        point: RL draws its reward curve instead."""
+        if (self.run_dir / "metrics.jsonl").is_file():
+            csv_path, png = write_loss_curve(self.run_dir)
+            logger.message(f"loss curve: {png or csv_path}")
+
+    def checkpoint_path(self) -> Optional[Path]:
+        return None if self.saved_step is None else self.checkpoints.save_dir / f"step_{self.saved_step:08d}"
+
+    def summary(self) -> str:
+        """One line at the end of a run: steps, time, final train and valid loss, the checkpoint."""
+        head = "done" if self.stopped_by is None else f"stopped by {signal_name(self.stopped_by)}"
+        parts = [f"{head}: step {self.step}/{self.cfg.train.train_iters} in "
+                 f"{format_duration(time.perf_counter() - self.started)}"]
+        good = [r for r in self.history if isinstance(r, StepResult) and not r.skipped]
+        if good:
+            parts.append(f"train loss {good[-1].loss:.4f}")
+        if self.last_valid is not None:
+            parts.append(f"valid loss {self.last_valid[1]:.4f} (step {self.last_valid[0]})")
+        path = self.checkpoint_path()
+        parts.append(f"checkpoint {path}" if path is not None else "no checkpoint saved")
+        return " | ".join(parts)
 
     def _guarded_step(self, batch: list[dict[str, torch.Tensor]]) -> StepResult:
         with self._guard("training step", self.step + 1, backstop=True):
@@ -544,7 +604,7 @@ class Trainer:
         logger.log(self.step, {f"startup_{k}_s": v for k, v in self.timers.startup.items()}, kind="startup", echo=False)
 
     def _loop(self, logger: MetricsLogger) -> None:
-        t, ck = self.cfg.train, self.cfg.checkpoint
+        t, interval = self.cfg.train, save_interval(self.cfg)
         window: list[StepResult] = []
         window_time = 0.0
         first_step = self.step
@@ -570,17 +630,23 @@ class Trainer:
                     logger.log(self.step, self.moe_details, kind="moe", echo=False)
                 window, window_time = [], 0.0
             if t.eval_interval and self.step % t.eval_interval == 0:
-                with self._guard("evaluation after step", self.step):
-                    metrics = self.evaluate()
-                if metrics is not None:
-                    logger.log(self.step, metrics, kind="valid")
-            if ck.save_interval and self.step % ck.save_interval == 0:
+                self._evaluate_and_log(logger)
+            if interval and self.step % interval == 0:
                 with self._guard("checkpoint save at step", self.step):
                     self.save()
+            if self.should_stop():
+                break
         averages = self.timers.averages()
         if averages:
             logger.message("step phases (mean, first step excluded): "
                            + " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in averages.items()))
+
+    def _evaluate_and_log(self, logger: MetricsLogger) -> None:
+        with self._guard("evaluation after step", self.step):
+            metrics = self.evaluate()
+        if metrics is not None:
+            logger.log(self.step, metrics, kind="valid")
+            self.last_valid = (self.step, metrics["loss"])
 
     def _window_metrics(self, window: list[StepResult], seconds: float, phases: dict[str, float]) -> dict[str, Any]:
         good = [r for r in window if not r.skipped]

@@ -106,3 +106,18 @@ def test_data_info_verify_reports_max_id_and_out_of_vocabulary_ids(tmp_path, cap
     assert main(["data", "info", prefix, "--verify"]) == 2
     err = capsys.readouterr().err
     assert "a.idx: document 0 has size 2 but offsets 0..3" in err and err.count("\n") == 1
+
+
+def test_data_info_accepts_the_prefix_or_either_file(tmp_path, capsys):
+    """`data info X.bin` and `X.idx` mean the dataset X (they used to look for X.bin.bin)."""
+    write_indexed(tmp_path / "ds", [[1, 2, 3], [4, 5]], vocab_size=10)
+    outputs = []
+    for name in ("ds", "ds.bin", "ds.idx"):
+        assert main(["data", "info", str(tmp_path / name)]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2]   # each names the dataset by its prefix
+    assert "2 documents, 5 tokens" in outputs[0]
+    # a prefix that itself ends in .bin is still read as given
+    write_indexed(tmp_path / "odd.bin", [[7]], vocab_size=10)
+    assert main(["data", "info", str(tmp_path / "odd.bin")]) == 0
+    assert "1 documents, 1 tokens" in capsys.readouterr().out

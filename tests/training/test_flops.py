@@ -42,11 +42,19 @@ def test_an_unknown_gpu_is_measured_with_a_note(monkeypatch):
     assert gbps == 999.0 and "measured" in source
 
 
-def test_a_cpu_is_measured_in_fp32_and_a_configured_peak_wins(monkeypatch):
+def test_a_cpu_is_measured_in_fp32_once_per_machine_and_a_configured_peak_wins(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     asked = []
     monkeypatch.setattr(flops, "measure_matmul_flops", lambda device, dtype: asked.append((device.type, dtype)) or 1e11)
     assert resolve_peak_flops(None, torch.device("cpu"), "bf16") == (1e11, "measured fp32 matmul")
     assert asked == [("cpu", torch.float32)]
+    # the next start-up reads the measurement instead of timing a matmul again
+    cache = tmp_path / "meshtron" / "peak_flops.json"
+    assert resolve_peak_flops(None, torch.device("cpu"), "fp32") == (1e11, f"measured fp32 matmul, cached in {cache}")
+    assert asked == [("cpu", torch.float32)]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 999)   # another thread count is another measurement
+    resolve_peak_flops(None, torch.device("cpu"), "fp32")
+    assert len(asked) == 2
     assert resolve_peak_flops(5e14, CUDA, "bf16") == (5e14, "train.peak_flops")
     assert resolve_bandwidth_gbps(3000.0, CUDA) == (3000.0, "given")
 

@@ -85,7 +85,19 @@ def test_tensorboard_and_wandb_receive_the_jsonl_metrics(tiny_config, monkeypatc
     assert run.init_kwargs["project"] == "proj" and run.init_kwargs["dir"] == cfg.train.run_dir
     assert run.init_kwargs["config"]["train"]["train_iters"] == 3 and run.finished
     assert [(tag, value, step) for values, step in run.logged for tag, value in values.items()] == expected
-    assert os.environ["WANDB_MODE"] == "offline"
+    assert run.init_kwargs["mode"] == "offline" and "WANDB_MODE" not in os.environ  # offline unless asked
+
+
+@pytest.mark.parametrize("env, field, expected", [(None, "null", "offline"), ("online", "null", "online"),
+                                                  ("online", "offline", "offline"), (None, "online", "online")])
+def test_wandb_mode_follows_config_then_environment(env, field, expected, tiny_config, monkeypatch):
+    runs = stand_in_trackers(monkeypatch)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    if env:
+        monkeypatch.setenv("WANDB_MODE", env)
+    Trainer(tiny_config(**{"train.train_iters": "1", "logger.wandb": "true", "logger.wandb_mode": field,
+                           "checkpoint.save_at_end": "false"})).train()
+    assert runs[0].init_kwargs["mode"] == expected
 
 
 @pytest.mark.parametrize("field, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import yaml
 
+from meshtron.checkpoint.carry import copy_side_files, side_files
 from meshtron.config.loader import config_from_dict, config_to_dict
 from meshtron.config.schema import ModelConfig, RunConfig
 from meshtron.models.gpt import GPTModel
@@ -39,10 +40,9 @@ from meshtron.models.hf.adapter import (
     hf_dtype,
 )
 from meshtron.models.hf.dcp_io import CheckpointTensors, write_model_checkpoint
-from meshtron.models.hf.safetensors_io import INDEX_FILE, SafetensorsDir, TensorSpec, read_all, write_sharded
+from meshtron.models.hf.safetensors_io import SafetensorsDir, TensorSpec, read_all, write_sharded
 
 CARRIED_DIR = "hf"
-SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -129,11 +129,6 @@ def converted_run_config(model_cfg: ModelConfig, tokenizer_dir: Optional[Path]) 
     return cfg
 
 
-def _side_files(directory: Path) -> list[Path]:
-    return [p for p in sorted(directory.iterdir())
-            if p.is_file() and p.suffix in SIDE_FILE_SUFFIXES and p.name != INDEX_FILE]
-
-
 def _usable_tokenizer(directory: Path) -> bool:
     """Whether meshtron's hf tokenizer loads the carried files (needs tokenizer.json and an end token)."""
     if not (directory / "tokenizer.json").is_file():
@@ -170,13 +165,11 @@ def hf_to_meshtron(hf_dir: str | Path, output: str | Path, *, streaming: bool = 
         model.load_state_dict({n: cut(n) for n in shapes})
         state = model.state_dict()
         source = state.__getitem__
-    side = _side_files(hf_dir)
-    carried = output / "step_00000000" / CARRIED_DIR
-    run_cfg = converted_run_config(cfg, carried if _usable_tokenizer(hf_dir) else None)
+    # the config names the carried files relative to the step directory (checkpoint/carry.py)
+    run_cfg = converted_run_config(cfg, Path(CARRIED_DIR) if _usable_tokenizer(hf_dir) else None)
 
     def fill(path: Path) -> None:
-        for f in side:
-            shutil.copy2(f, path / f.name)
+        copy_side_files(hf_dir, path)
 
     return write_model_checkpoint(
         output, 0, {n: (s, torch.float32) for n, s in shapes.items()}, source,
@@ -259,7 +252,7 @@ def _carry_side_files(carried_dir: Path, run_cfg: RunConfig, output: Path) -> li
         source = path if path.is_dir() else path.parent
     if source is None or not source.is_dir():
         return [f"no tokenizer files carried over (tokenizer.type is {run_cfg.tokenizer.type})"]
-    for f in _side_files(source):
+    for f in side_files(source):
         if f.name != "config.json":
             shutil.copy2(f, output / f.name)
     return []
