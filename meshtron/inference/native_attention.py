@@ -121,40 +121,60 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor,
-                           lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (rows, heads, dk); caches (num_blocks + 1, block_size, kv_heads, d); key_blocks (rows, blocks);
-    lo, hi (rows,) the first and last key position each row attends -> (rows, heads, dv)."""
+def checked_indices(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor,
+                    lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel trusts its indices: check that every read of q (rows, heads, dk) stays inside the
+    table and the caches; -> key_blocks, lo, hi as contiguous int64 (ValueError otherwise)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"native decode attention: {name} must be float32 on the CPU, not {t.dtype} on {t.device}")
-    q = q.contiguous()
     key_blocks, lo, hi = (t.to(torch.int64).contiguous() for t in (key_blocks, lo, hi))
     rows, heads, dk = q.shape
-    block_size, kv_heads, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if heads % kv_heads or k_cache.shape[3] != dk or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"native decode attention: q {tuple(q.shape)} does not fit the caches {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)} (contiguous, kv heads dividing the query heads)")
-    # the kernel trusts its indices: check every read stays inside the table and the caches
     if rows and (int(lo.min()) < 0 or int(hi.max()) >= key_blocks.shape[1] * block_size
                  or int(key_blocks.min()) < 0 or int(key_blocks.max()) >= k_cache.shape[0]
                  or v_cache.shape[:3] != k_cache.shape[:3] or lo.shape != (rows,) or hi.shape != (rows,)):
         raise ValueError("native decode attention: a key position or block id is out of range")
-    out = q.new_empty(rows, heads, dv)
+    return key_blocks, lo, hi
+
+
+def _run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor, lo: torch.Tensor,
+         hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernel call on indices `checked_indices` accepted -> (rows, heads, dv)."""
+    q = q.contiguous()
+    rows, heads, dk = q.shape
+    out = q.new_empty(rows, heads, v_cache.shape[3])
     status = load_library().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), key_blocks.data_ptr(), key_blocks.shape[1],
-        lo.data_ptr(), hi.data_ptr(), out.data_ptr(), rows, heads, kv_heads, block_size, dk, dv, float(scale),
-        torch.get_num_threads())
+        lo.data_ptr(), hi.data_ptr(), out.data_ptr(), rows, heads, k_cache.shape[2], k_cache.shape[1], dk,
+        v_cache.shape[3], float(scale), torch.get_num_threads())
     if status != 0:
         raise MemoryError("native decode attention: out of memory for its per-thread buffers")
     return out
 
 
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor,
+                           lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (rows, heads, dk); caches (num_blocks + 1, block_size, kv_heads, d); key_blocks (rows, blocks);
+    lo, hi (rows,) the first and last key position each row attends -> (rows, heads, dv)."""
+    key_blocks, lo, hi = checked_indices(q, k_cache, v_cache, key_blocks, lo, hi)
+    return _run(q, k_cache, v_cache, key_blocks, lo, hi, scale)
+
+
 def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group,
                             window_size: Optional[int], scale: float) -> torch.Tensor:
-    """A decode bucket (`varlen_context.AttentionGroup`; q (rows, heads, 1, dk)) through the kernel."""
-    lo, hi = group.key_range(window_size)
-    return paged_decode_attention(q[:, :, 0], k_cache, v_cache, group.key_blocks, lo, hi, scale)[:, :, None]
+    """A decode bucket (`varlen_context.AttentionGroup`; q (rows, heads, 1, dk)) through the kernel.
+    Every layer of a step shares the group, so its checked indices are kept on it, per window and
+    cache layout: one check per step instead of one per layer (four host reads each)."""
+    key = (window_size, *((t.shape, t.dtype, t.device, t.is_contiguous()) for t in (q, k_cache, v_cache)))
+    indices = group.native_indices.get(key)
+    if indices is None:
+        lo, hi = group.key_range(window_size)
+        indices = group.native_indices[key] = checked_indices(q[:, :, 0], k_cache, v_cache, group.key_blocks, lo, hi)
+    return _run(q[:, :, 0], k_cache, v_cache, *indices, scale)[:, :, None]
 
 
 def unavailable_reason(model: torch.nn.Module, device: torch.device) -> Optional[str]:

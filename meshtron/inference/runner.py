@@ -147,14 +147,14 @@ class ModelRunner:
         if scoring:  # every token's logits are needed, not only the sampled rows': no graph
             logits, req_ids, batch = self._eager_forward(chunks)
             self.prompt_log_probs = self._score(scoring, logits, {c.req_id: i for i, c in enumerate(chunks)}, batch)
-            return logits[batch.sample_index], req_ids
+            return logits.index_select(0, batch.sample_index), req_ids
         if self.graphs is not None:
             result = self.graphs.run(chunks)
             if result is not None:
                 self.num_forwards["graph"] += 1
                 return result
         logits, req_ids, batch = self._eager_forward(chunks)
-        return logits[batch.sample_index], req_ids
+        return logits.index_select(0, batch.sample_index), req_ids
 
     def _eager_forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[str], PagedBatch]:
         """-> the logits of every token (rows * q, vocab), the sampled rows' request ids, the batch."""

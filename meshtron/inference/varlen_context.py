@@ -55,8 +55,11 @@ class AttentionGroup:
     key_blocks: torch.Tensor  # (rows, blocks)
     query_positions: torch.Tensor  # (rows, q)
     contiguous: Optional[tuple[int, int]] = None  # (lo, hi) when the queries are one slice of the row
+    whole_row: bool = False  # decodes: the queries are the whole row, in order (query_index = arange(T))
     _masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict, repr=False)
     _biases: dict[tuple[Optional[int], torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
+    # the native kernel's checked (key_blocks, lo, hi), per window and cache layout (`native_attention`)
+    native_indices: dict[tuple, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
 
     def bias(self, block_size: int, window_size: Optional[int], dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias (0 where allowed, -inf elsewhere), built once per step and
@@ -121,6 +124,11 @@ class VarlenPagedContext:
             attention, plan = self.flex
             return attention(q, k_cache, v_cache, plan, window_size, scale, sink_logits)
         heads, bs = q.shape[1], self.cache.block_size
+        if len(self.groups) == 1 and self.groups[0].whole_row and self.decode_attention is not None \
+                and sink_logits is None:  # a step of decodes only (batch-1 decode): no gather, no scatter
+            o = self.decode_attention(q[0].transpose(0, 1)[:, :, None], k_cache, v_cache, self.groups[0], window_size,
+                                      scale)  # (T, heads, 1, dv)
+            return o[:, :, 0].transpose(0, 1)[None]
         out = q.new_empty(1, heads, q.shape[2], v_cache.shape[-1])
         for g in self.groups:
             rows, blocks = g.key_blocks.shape
@@ -202,7 +210,8 @@ def build_varlen_batch(chunks: list[ScheduledChunk], cache: PagedKVCache,
             groups.append(AttentionGroup(
                 query_index=torch.tensor([starts[i] for i in members], device=device),
                 key_blocks=torch.from_numpy(key_blocks).to(device),
-                query_positions=torch.tensor([[chunks[i].start_pos] for i in members], device=device)))
+                query_positions=torch.tensor([[chunks[i].start_pos] for i in members], device=device),
+                whole_row=[starts[i] for i in members] == list(range(at))))
 
     def t(parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)

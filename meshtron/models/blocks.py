@@ -100,7 +100,9 @@ class Sublayer(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
-        return x + self.dropout(self.mixer(self.norm(x), ctx))
+        h = self.mixer(self.norm(x), ctx)
+        # dropout is the identity in eval or at p = 0: skip its call (a decode step has 2 per layer)
+        return x + (self.dropout(h) if self.training and self.dropout.p > 0 else h)
 
 
 def build_sublayers(cfg: ModelConfig) -> nn.ModuleList:

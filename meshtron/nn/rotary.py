@@ -55,6 +55,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """x (batch, seq, heads, head_dim); cos/sin (batch, seq, rotary_dim) with rotary_dim <= head_dim."""
     rot = cos.shape[-1]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    if x.dtype == torch.float32 and rot == x.shape[-1] and not interleaved:
+        return x * cos + rotate_half(x) * sin  # the common case below without its casts and slices (decode)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     x_rot, x_pass = xf[..., :rot], xf[..., rot:]
     if interleaved:

@@ -23,6 +23,31 @@ def test_rmsnorm_formula():
     torch.testing.assert_close(norm(x), ref)
 
 
+def test_rmsnorm_inference_path_equals_the_training_path():
+    """fp32 without autograd takes torch's fused rms_norm: the same bits as the written-out formula (with grad)."""
+    torch.manual_seed(0)
+    for dim in (8, 100, 768, 4096):
+        norm = RMSNorm(dim, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.normal_()
+        x = torch.randn(3, 7, dim) * 5
+        trained = norm(x.requires_grad_())  # grad enabled: the formula
+        with torch.inference_mode():
+            assert torch.equal(norm(x.detach()), trained.detach())
+
+
+def test_rope_fp32_path_equals_the_general_path():
+    """fp32 full-width rotate-half rotation skips the casts and slices: the same bits as in float64 cast back."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 64)
+    cos, sin = RotaryEmbedding(64)(torch.arange(5)[None].expand(2, 5))
+    ref = (x.double() * cos.double()[:, :, None] + torch.cat([-x[..., 32:], x[..., :32]], -1).double()
+           * sin.double()[:, :, None])
+    torch.testing.assert_close(apply_rotary(x, cos, sin), ref.float(), atol=1e-6, rtol=0)
+    partial = apply_rotary(x, cos[..., :32], sin[..., :32])  # partial rotary keeps the general path
+    torch.testing.assert_close(partial[..., 32:], x[..., 32:], atol=0, rtol=0)
+
+
 def test_rope_equals_complex_rotation():
     head_dim, base = 8, 10000.0
     x = torch.randn(1, 6, 2, head_dim)
