@@ -1,8 +1,11 @@
-"""Serving throughput and latency: meshtron's engine against transformers static batching and a naive loop.
+"""Serving throughput and latency: meshtron's engine against transformers static batching and a naive loop;
+with --mode decode, batch-1 decode against the memory-bandwidth limit (meshtron/bench/serve_decode.py).
 
     python benchmarks/serve.py [--num-requests 256] [--batch-size 32] [--prompt-len 8 128] [--output-len 8 128]
                                [--decode-attention auto gather compiled native] [--repeats N] [--pairs 3]
                                [--naive-requests N] [--skip engine static naive] [--output benchmarks/results/serve.json]
+    python benchmarks/serve.py --mode decode [--repeats 5] [--decode-tokens 128] [--threads 2] [--skip fp32 int8 ...]
+                               [--mtp-checkpoint runs/tiny-mtp] [--output benchmarks/results/serve_decode.json]
 """
 
 import sys

@@ -320,6 +320,9 @@ def print_decode(rows: list[dict[str, Any]], args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", default="serve", choices=["serve", "decode"],
+                   help="serve: this throughput benchmark; decode: batch-1 decode against the memory-bandwidth limit "
+                        "and torch's GEMV ceiling, with its own options (--mode decode --help)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX"))
@@ -472,6 +475,12 @@ def summarize_ratios(results, notes, tokens, args, pairs: list[dict[str, Any]]) 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode", default="serve", choices=["serve", "decode"])
+    if mode.parse_known_args(argv)[0].mode == "decode":  # its own options (serve_decode.build_parser)
+        from meshtron.bench.serve_decode import main as decode_main
+
+        return decode_main(argv)
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts, outputs = build_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
