@@ -113,6 +113,22 @@ def build_stage(model: nn.Module, ranges: list[range], stage: int) -> InferenceS
     return InferenceStage(part)
 
 
+def empty_stage(model_cfg, vocab_size: int, ranges: list[range], stage: int, device: torch.device) -> InferenceStage:
+    """Stage `stage` of a GPTModel of `model_cfg`, with uninitialised parameters on `device`, built without
+    the whole model ever existing (it is built on the meta device): a stage to copy weights into (RL
+    rollouts under pipeline parallelism copy the trainer's stage)."""
+    from meshtron.models import GPTModel
+    from meshtron.nn.rope_scaling import build_rotary
+
+    with torch.device("meta"):
+        model = GPTModel(model_cfg, vocab_size)
+    part = PipelineStageModule(model, ranges[stage], stage == 0, stage == len(ranges) - 1)
+    part.to_empty(device=device)
+    if part.rotary is not None:  # its one buffer is not a parameter: computed again, not copied
+        part.rotary = build_rotary(model_cfg).to(device)
+    return InferenceStage(part)
+
+
 @dataclasses.dataclass
 class StageLink:
     """Point-to-point links of one stage to its neighbours on `group` (this rank's pp group, whose rank
@@ -321,10 +337,18 @@ def build_pipeline_member(model: nn.Module, tokenizer, config: EngineConfig, *, 
         load(stage.part)
     if dtype is not None:
         stage.to(dtype)
+    return member_for_stage(stage, tokenizer, config, pp_group=pp_group,
+                            tp_group=tp_mesh.get_group() if tp_mesh is not None else None, timeout_s=timeout_s,
+                            model_name=model_name)
+
+
+def member_for_stage(stage: InferenceStage, tokenizer, config: EngineConfig, *, pp_group, tp_group=None,
+                     timeout_s: float = 600.0, model_name: str = "meshtron") -> PipelineMember:
+    """This rank's share of the pipeline engine around its `stage` (already sharded and loaded): stage i
+    of rank i of `pp_group`, tensor-parallel over `tp_group` (None: no TP). A collective over the world."""
     stage.eval()
     device = next(stage.parameters()).device
-    link = StageLink(pp_group, stage_id, pp, device)
-    tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+    link = StageLink(pp_group, dist.get_rank(pp_group), dist.get_world_size(pp_group), device)
     messages = pipeline_messages(pp_group, tp_group, timeout_s)
     resolved = resolve_pipeline_config(stage, config, device, messages.group)
     if messages.is_leader:

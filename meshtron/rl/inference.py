@@ -344,3 +344,63 @@ def engine_config(cfg, device: torch.device):
     return EngineConfig(block_size=rl.engine_block_size, kv_cache_memory_mb=rl.engine_kv_cache_memory_mb,
                         max_num_seqs=rl.engine_max_num_seqs, max_num_batched_tokens=rl.engine_max_num_batched_tokens,
                         device=device.type, seed=cfg.train.seed)
+
+
+class PipelineEngineBackend(EngineBackend):
+    """Rollouts under pipeline parallelism from the pipeline-parallel engine
+    (`meshtron.inference.pipeline_engine`): every pp rank holds an engine stage whose weights are a
+    copy of its own trained stage (`stage`, an `InferenceStage`; the trainer copies into it before
+    rollouts), never the whole model. `generate` is a collective over the pipeline's ranks: each passes
+    its own prompts, the leader (the last stage) generates all of them through the stages and sends
+    every rank the generations of its own prompts."""
+
+    def __init__(self, stage, tokenizer, config, *, pp_group, timeout_s: float = 600.0):
+        from meshtron.inference.pipeline_engine import member_for_stage
+
+        was_training = stage.training
+        self.member = member_for_stage(stage, tokenizer, config, pp_group=pp_group, timeout_s=timeout_s)
+        stage.train(was_training)
+        self.model, self.engine, self.recorder = stage, self.member.engine, None
+        self.messages = self.member.messages
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Generation]:
+        import torch.distributed as dist
+
+        from meshtron.inference.tp_serving import Leader
+
+        params = _per_prompt(sampling, len(prompts))
+        everyone: list[Any] = [None] * self.messages.size
+        dist.all_gather_object(everyone, (list(prompts), params), group=self.messages.group)
+        result: Any = None
+        if self.member.is_leader:
+            self.engine.step_hook = leader = Leader(self.messages)
+            try:
+                result = super().generate([p for ps, _ in everyone for p in ps], [s for _, ss in everyone for s in ss])
+            except Exception as e:  # the followers must not wait for generations that never come
+                result = RuntimeError(f"pipeline-parallel rollout failed on the leader: {type(e).__name__}: {e}")
+            finally:
+                self.engine.step_hook = None
+                leader("stop")
+        else:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                self.member.follow()
+            finally:
+                self.model.train(was_training)
+        result = self.messages.broadcast(result)
+        if isinstance(result, Exception):
+            raise result
+        me = self.messages.rank
+        start = sum(len(ps) for ps, _ in everyone[:me])
+        return result[start:start + len(prompts)]
+
+    def suspend(self) -> None:
+        if self.engine is not None:
+            self.engine.suspend()
+        else:
+            self.member.runner.release()  # this stage's KV cache and Mamba states
+
+    def resume(self) -> None:
+        if self.engine is not None:
+            self.engine.resume()

@@ -11,9 +11,12 @@ Rollouts. In one process the engine runs the trained model itself. With tensor p
 others follow its forwards (`rl.inference.TensorParallelEngineBackend` on
 `inference.tp_serving.TPGroup`), so every rank gets the same rollouts;
 the policy is then built without sequence parallelism (the engine's decode steps hold one token).
-Under every other layout each rank keeps a whole rollout model, copied from the sharded policy one
-tensor at a time before rollouts (rl/policy.py); the ranks that share a data-parallel index (tp,
-cp, pp) split its prompts and all-gather the rollouts. Refused: router replay with pp, and
+Under pipeline parallelism (one stage per pp rank) the rollouts come from the pipeline-parallel engine
+(`rl.inference.PipelineEngineBackend`): each rank keeps a copy of its own trained stage only, gathered
+whole before rollouts, and the pp ranks' prompts go through the stages together.
+Under every other layout (and with virtual pipeline stages) each rank keeps a whole rollout model,
+copied from the sharded policy one tensor at a time before rollouts (rl/policy.py). The ranks that
+share a data-parallel index (tp, cp, pp) split its prompts and all-gather the rollouts. Refused: router replay with pp, and
 rl.backend other than engine with tp or pp (see `check_layout`).
 
 The objective's losses carry global normalisers (token weights divided by the mini-batch's
@@ -117,9 +120,14 @@ class GRPOTrainer(Trainer):
         self.stats: dict[int, dict[str, torch.Tensor]] = {}  # the step's micro-batch statistics, by index
         self.logger: Optional[MetricsLogger] = None
         super().__init__(cfg)
+        # under pp the shipped engine runs as a pipeline: each rank holds a copy of its own stage only
+        self.pipeline_engine = (backend is None and self.pipeline is not None and rl.backend == "engine"
+                                and cfg.parallel.pp_virtual_stages == 1)
         self.rollout_model, self.replica_sync = self._build_rollout_model()
         if backend is None and self.tp_engine:
             backend = self._tensor_parallel_backend()
+        elif self.pipeline_engine:
+            backend = self._pipeline_backend()
         elif backend is None:
             backend = build_backend(cfg, self.rollout_model, self.tokenizer, self.device)
         elif callable(backend) and not hasattr(backend, "generate"):
@@ -190,6 +198,9 @@ class GRPOTrainer(Trainer):
         under TP alone, else a whole copy kept in sync by `_sync`."""
         if self.mesh is None or self.tp_engine:
             return self.model, None
+        if self.pipeline_engine:  # this rank's stage only, copied from the trained one by `_sync`
+            self.rollout_stage = self._rollout_stage()
+            return self.rollout_stage.part, None
         with torch.random.fork_rng(devices=[]):  # the same random stream as the single process afterwards
             model = GPTModel(self.cfg.model, self.tokenizer.vocab_size).to(self.device)
         sync = None
@@ -208,6 +219,28 @@ class GRPOTrainer(Trainer):
             gather_weights(self.model, self.rollout_model)
             if self.replica_sync is not None:
                 self.replica_sync()
+
+    def _rollout_stage(self):
+        """The pipeline engine's stage of this rank (the training split, one stage per rank), holding a
+        copy of the trained stage's weights (gathered whole where they are sharded)."""
+        from meshtron.inference.pipeline_engine import empty_stage
+        from meshtron.parallel.pipeline_stages import split_layers
+
+        p = self.cfg.parallel
+        ranges = split_layers(len(self.cfg.model.pattern), self.dims.pp, p.pp_first_stage_sublayers,
+                              p.pp_last_stage_sublayers)
+        with torch.random.fork_rng(devices=[]):  # the same random stream as the single process afterwards
+            stage = empty_stage(self.cfg.model, self.tokenizer.vocab_size, ranges, self.mesh["pp"].get_local_rank(),
+                                self.device)
+        stage.requires_grad_(False)
+        gather_weights(self.model, stage.part)
+        return stage
+
+    def _pipeline_backend(self) -> InferenceBackend:
+        from meshtron.rl.inference import PipelineEngineBackend
+
+        return PipelineEngineBackend(self.rollout_stage, self.tokenizer, engine_config(self.cfg, self.device),
+                                     pp_group=self.mesh["pp"].get_group(), timeout_s=self.cfg.parallel.timeout_s)
 
     def _tensor_parallel_backend(self) -> InferenceBackend:
         from meshtron.inference.tp_serving import TPGroup
