@@ -13,6 +13,8 @@ probabilities, from one of several backends.
 - `CoordinatorBackend`: data-parallel engines behind `meshtron.inference.coordinator`.
 - `TensorParallelEngineBackend`: `EngineBackend` on a tensor-parallel model: the TP group's leader
   runs the engine and the others follow its forwards (`meshtron.inference.tp_serving`).
+- `PipelineEngineBackend`: the pipeline-parallel engine (`meshtron.inference.pipeline_engine`) under
+  pipeline parallelism: each pp rank holds a copy of its own trained stage; the last stage leads.
 `build_backend` makes the one `rl.backend` names. Every backend takes `meshtron.inference.request.SamplingParams`; log probs are those of the
 distribution sampled from (temperature applied), the quantity the GRPO ratio needs.
 """

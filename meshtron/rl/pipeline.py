@@ -10,10 +10,12 @@ A pipeline step has a fixed shape: the packed micro-batches are padded with rows
 (weight 0, so no loss and no gradient) to micro_batch_size rows each, and their count to a
 multiple of pp, which every schedule accepts (`pad_micro_batches`).
 
-Rollouts need the whole model. Every pipeline rank keeps a rollout model; before rollouts each rank
-gathers its own stages into it (rl/policy.py) and `ReplicaSync` sends every stage from its owner:
-one broadcast per pp rank, of everything that rank owns. The pp ranks of a data-parallel replica
-then split its prompts, generate, and all-gather the rollouts.
+Rollouts with one stage per pp rank come from the pipeline-parallel engine (`rl.inference.
+PipelineEngineBackend`), each rank holding a copy of its own stage. With virtual stages a rank's
+stages are not one contiguous run of layers, so every pipeline rank keeps a whole rollout model;
+before rollouts each rank gathers its own stages into it (rl/policy.py) and `ReplicaSync` sends
+every stage from its owner: one broadcast per pp rank, of everything that rank owns. Either way the
+pp ranks of a data-parallel replica split its prompts, generate, and all-gather the rollouts.
 """
 
 from __future__ import annotations
