@@ -4,6 +4,7 @@
     python benchmarks/serve_parallel.py --mode pp [--pp 2] [--threads 1] [--micro-batches 0] [--num-requests 32]
                                         [--prompt-len 8 64] [--output-len 8 64] [--layers 8] [--hidden-size 256]
                                         [--repeats 3] [--output benchmarks/results/serve_parallel.json]
+    python benchmarks/serve_parallel.py --mode dp [--dp 2] [--threads 1] [--num-requests 32] [same workload flags]
 """
 
 import sys

@@ -8,6 +8,9 @@
                 with m micro-batches (`--micro-batches`, 0: pp), and smaller matrix products per process.
                 Both runs must produce the same tokens (checked). The stages run on gloo ranks of one
                 machine (`meshtron.testing.multiprocess.run_ranks`), so the transfers are local copies.
+    --mode dp   data-parallel replicas behind one HTTP endpoint (`meshtron serve --dp`): `--dp` replica
+                processes with `--threads` threads each, against one engine with dp x threads threads,
+                all through HTTP (meshtron/bench/serve_dp.py).
 
 Each run is repeated `--repeats` times, single and pipelined alternating, and the median wall time is
 reported (the machine may be shared). Output: a table and JSON (`--output`).
@@ -148,7 +151,13 @@ def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
                     f"threads; m = micro-batches per step"}
 
 
-MODES = {"pp": mode_pp}
+def mode_dp(args: argparse.Namespace) -> dict[str, Any]:
+    from meshtron.bench.serve_dp import mode_dp as run
+
+    return run(args)
+
+
+MODES = {"pp": mode_pp, "dp": mode_dp}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step of the pipeline (0: pp); "
                                                                 "m=1 is always run too, to show what they buy")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per stage process (default 1)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel replicas (--mode dp; default 2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads per stage or replica process (default 1)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))

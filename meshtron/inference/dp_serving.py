@@ -73,6 +73,9 @@ def check_dp_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--dp: {args.dp} is not allowed; give the number of replicas (>= 0)")
     if args.dp == 0 and args.coordinator is None and args.coordinator_port is None:
         raise ConfigError("--dp: 0 starts no replica; give --coordinator-port so replicas can register, or --dp N")
+    if getattr(args, "pp", 1) > 1:
+        raise ConfigError("--pp: pipeline-parallel replicas cannot join data-parallel serving yet; serve --pp "
+                          "without --dp / --coordinator / --coordinator-port")
     if args.replica_threads is not None and args.replica_threads < 1:
         raise ConfigError(f"--replica-threads: {args.replica_threads} is not allowed; must be >= 1")
     if args.affinity_margin < 0:

@@ -369,3 +369,21 @@ def test_serve_dp_survives_a_killed_replica(tmp_path):
         if front.poll() is None:
             front.kill()
         front.wait()
+
+
+def test_bad_dp_flags_are_refused_in_one_line():
+    from meshtron.cli import build_parser
+    from meshtron.config.fields import ConfigError
+    from meshtron.inference.dp_serving import check_dp_arguments
+
+    def refused(*flags: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_dp_arguments(build_parser().parse_args(["serve", "--checkpoint", "x", *flags]))
+        return str(e.value)
+
+    assert refused("--dp", "-1").startswith("--dp: -1 is not allowed")
+    assert refused("--dp", "0").startswith("--dp: 0 starts no replica; give --coordinator-port")
+    assert refused("--dp", "2", "--replica-threads", "0").startswith("--replica-threads: 0")
+    assert refused("--dp", "2", "--affinity-margin", "-5").startswith("--affinity-margin: -5.0")
+    assert refused("--dp", "2", "--heartbeat-timeout", "0").startswith("--heartbeat-timeout: 0.0")
+    assert refused("--dp", "2", "--pp", "2").startswith("--pp: pipeline-parallel replicas")
