@@ -209,7 +209,7 @@ def serve_front(args: argparse.Namespace, engine_cfg: EngineConfig, server_optio
     from meshtron.inference.server import configure_logging, serve
 
     configure_logging(args.log_level)
-    tokenizer = load_tokenizer(args.checkpoint)
+    tokenizer = load_tokenizer(args.checkpoint, engine_cfg.tokenizer)  # the replicas get --tokenizer too
     coordinator = Coordinator(args.coordinator_host, args.coordinator_port, args.heartbeat_timeout,
                               args.affinity_margin).start()
     logger.info("coordinator at %s: replicas register with `meshtron serve --checkpoint ... --coordinator %s`",

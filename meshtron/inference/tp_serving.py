@@ -4,7 +4,8 @@ accounting, sampling; HTTP when serving) and the others follow, running the same
 each step's chunks, which the leader broadcasts before its own forward. Keys/values stay sharded by
 head on every rank; only the step's plain `ScheduledChunk`s (token ids, positions, block tables)
 travel. One world may hold several groups, each with its own leader (data-parallel replicas of a TP
-model: `meshtron serve` under torchrun, RL rollouts in `meshtron.rl.inference`).
+model: `meshtron serve` under torchrun, RL rollouts in `meshtron.rl.inference`; `meshtron serve
+--coordinator ADDR` under torchrun registers a TP group as one replica of data-parallel serving).
 
 Messages: ("step", chunks), ("release", None) on suspend, ("stop", None) at the end, and
 ("ping", None) whenever the leader has sent nothing for `ping_s` (a quarter of the timeout): a

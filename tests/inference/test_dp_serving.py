@@ -387,3 +387,44 @@ def test_bad_dp_flags_are_refused_in_one_line():
     assert refused("--dp", "2", "--affinity-margin", "-5").startswith("--affinity-margin: -5.0")
     assert refused("--dp", "2", "--heartbeat-timeout", "0").startswith("--heartbeat-timeout: 0.0")
     assert refused("--dp", "2", "--pp", "2").startswith("--pp: pipeline-parallel replicas")
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_replica_registers_and_answers(tmp_path):
+    """`torchrun --nproc-per-node 2 -m meshtron serve --coordinator ADDR`: the TP group registers as one
+    replica (its rank 0) and answers through the front as the single-process engine does."""
+    from meshtron.inference.config import EngineConfig
+    from meshtron.inference.engine import LLMEngine
+    from meshtron.inference.request import SamplingParams
+    from meshtron.testing.multiprocess import free_port
+    from tests.inference.helpers import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    coordinator = Coordinator(heartbeat_timeout_s=60).start()
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "meshtron", "serve", "--checkpoint", ckpt, "--coordinator",
+                             coordinator.address, "--replica-name", "tp2", "--num-blocks", "64", "--device", "cpu"],
+                            cwd=ROOT, env=env)
+    prompts = ["tensor", "parallel replica", "x"]
+    try:
+        front = ReplicaFront(coordinator.address, TOKENIZER)
+        front.start_background_loop()
+        front.wait_for_replicas(1, 300)
+        assert list(front.replicas) == ["tp2"]
+        with live_server(front) as (url, _, _):
+            texts = [answer(url, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0})
+                     ["choices"][0]["text"] for p in prompts]
+        local = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_blocks=64)).generate(
+            prompts, SamplingParams(max_tokens=12, temperature=0))
+        assert texts == [o.text for o in local]
+        stopper = CoordinatorClient(coordinator.address)
+        assert stopper.control("STOP")["num_workers"] == 0
+        stopper.close()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        coordinator.close()
