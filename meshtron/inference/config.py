@@ -55,7 +55,8 @@ class EngineConfig:
                                    "prefill chunk), auto (cheapest by estimate: packed or rows of S tokens), "
                                    "packed (one row, one attention) or padded (one row per request)")
     pp_micro_batches: int = option(0, "Pipeline-parallel serving (serve --pp): micro-batches each step's batch is "
-                                      "split into, run through the stages one after another; 0 means pp")
+                                      "cut into, run through the stages one after another (pp steps are in "
+                                      "flight at once either way); 0 means 1")
     quantize: str = option("none", "Quantize the linear layers' weights after loading, through torchao (pip install "
                                    "meshtron[quant]): none, int8-weight-only, int4-weight-only (groups of 128; a "
                                    "CPU, or CUDA with dtype bfloat16), float8-weight-only or float8-dynamic (CUDA "
@@ -91,7 +92,7 @@ class EngineConfig:
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
              "must be in (0, 1]")
         need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        need(self.pp_micro_batches >= 0, "pp_micro_batches", self.pp_micro_batches, "must be >= 0 (0: pp)")
+        need(self.pp_micro_batches >= 0, "pp_micro_batches", self.pp_micro_batches, "must be >= 0 (0: 1)")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
         need(self.device in ("auto", "cpu", "cuda"), "device", self.device, "choose auto, cpu or cuda")

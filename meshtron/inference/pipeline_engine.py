@@ -20,15 +20,20 @@ Who does what (pp stages x tp ranks; `PipelineMember` is one rank's share):
   `kv_cache_memory_mb` is a per-rank budget: the blocks are as many as the stage with the most KV
   bytes per token fits in it (the stages agree on the count with one all-reduce).
 
-Micro-batches: each step's chunks are cut into `engine.pp_micro_batches` (0: pp) groups of
-consecutive requests of about equal token counts, and the groups go through the stages one after
-another, GPipe style: stage s runs group j while stage s + 1 runs group j - 1. A step of m groups
-keeps each stage busy m / (m + pp - 1) of its time instead of 1 / pp. The next step starts when the
-last group's tokens are sampled (its tokens are the next step's input), so a bubble of
-(pp - 1) / (m + pp - 1) remains per step; vLLM's scheme of pp schedulers, each with its own batch in
-flight, has none in a steady state, and is not what this does. Limits: no CUDA graphs, no
-speculative decoding, and the CUDA start-up profile that sizes the cache from free memory needs
-the whole model, so `kv_cache_memory_mb` (or `num_blocks`) must be given with a CUDA device.
+Steps in flight (the asynchronous scheme): the leader keeps up to pp scheduled steps in the pipeline
+at once (`PipelineEngine.depth`). Each `step()` schedules a new step from the requests that are not
+in flight and announces it, so stage 0 starts on it at once, then runs its own (last) stage of the
+oldest step, samples it and hands its tokens to the scheduler. In a steady state stage s works on
+the step announced pp - 1 - s steps ago: no stage waits for another, unlike one step at a time
+(each stage busy 1 / pp of the time). The price: a request is in at most one step at a time (its
+next token is the next step's input), so with fewer running requests than steps in flight some
+stages idle; requests in flight are not scheduled, not preempted, and count against max_num_seqs.
+Followers receive the announcements on a thread of their own, so the leader's announcement of a
+new step never waits for a follower's forward of an older one. `engine.pp_micro_batches` (default
+1) further cuts each step into consecutive runs of requests that follow each other through the
+stages (GPipe style within the step). Limits: no CUDA graphs, no speculative decoding, and the CUDA
+start-up profile that sizes the cache from free memory needs the whole model, so
+`kv_cache_memory_mb` (or `num_blocks`) must be given with a CUDA device.
 
     torchrun --nproc-per-node 4 -m meshtron serve --checkpoint DIR --pp 2 --tp 2
 """
@@ -37,6 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
+import threading
+from collections import deque
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -48,10 +56,12 @@ from meshtron.config.fields import ConfigError
 from meshtron.inference.config import EngineConfig
 from meshtron.inference.engine import LLMEngine
 from meshtron.inference.mamba_state import StateSlotPool
+from meshtron.inference.outputs import RequestOutput
 from meshtron.inference.paged_context import PagedBatch, build_paged_batch
 from meshtron.inference.runner import ModelRunner, choose_layout, kv_bytes_per_token
-from meshtron.inference.scheduler import ScheduledChunk
-from meshtron.inference.tp_serving import TPGroup, follow
+from meshtron.inference.sampler import sample_rows
+from meshtron.inference.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from meshtron.inference.tp_serving import TPGroup
 from meshtron.inference.varlen_context import build_varlen_batch
 from meshtron.parallel.pipeline_stages import PipelineStageModule, split_layers
 
@@ -185,6 +195,20 @@ class PipelineRunner(ModelRunner):
         self.link, self.micro_batches = link, micro_batches
         self.dtype = next(stage.parameters()).dtype
 
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """`ModelRunner.execute`, less the rows of requests removed while their step was in flight."""
+        if out.is_empty:
+            return {}
+        logits, req_ids = self._forward(out.chunks)
+        keep = [i for i, r in enumerate(req_ids) if r in self.params]
+        if len(keep) < len(req_ids):
+            logits, req_ids = logits[keep], [req_ids[i] for i in keep]
+        if not req_ids:
+            return {}
+        return sample_rows(logits, [self.params[r] for r in req_ids], [self.generators[r] for r in req_ids], req_ids,
+                           [self.requests[r] for r in req_ids])
+
     def forward_only(self, chunks: list[ScheduledChunk]) -> None:
         if chunks:
             self._eager_forward(chunks)
@@ -265,18 +289,109 @@ def _group_device(group) -> torch.device:
 class PipelineEngine(LLMEngine):
     """The leader's `LLMEngine` (tp rank 0 of the last stage): its own stage, the whole pipeline's
     scheduler (state slots when any stage has Mamba layers) and a `PipelineRunner`. `config` must
-    come from `resolve_pipeline_config`."""
+    come from `resolve_pipeline_config`.
+
+    Up to `depth` (default pp) steps are in flight: `step()` schedules a step from the running and
+    waiting requests that are not in flight, announces it (the first stage starts on it at once), and
+    when `depth` steps are out, runs the last stage of the oldest one, samples it and applies its
+    tokens. The stages thus work on different steps at once (stage 0 on the newest, the last stage
+    on the oldest); a request is in at most one step at a time, since its next token is the next
+    step's input. Requests in flight are neither scheduled nor preempted, and count against
+    max_num_seqs. `depth = 1` gives the synchronous engine (one step through every stage at a time)."""
 
     def __init__(self, stage: InferenceStage, tokenizer, config: EngineConfig, link: StageLink, *,
                  model_name: str = "meshtron"):
+        self._hook = None
         super().__init__(stage, tokenizer, config, model_name=model_name)
         if has_recurrent_state(stage) and self.scheduler.state_slots is None:
             self.scheduler.state_slots = StateSlotPool(self.config.max_num_seqs)
         self.runner = PipelineRunner(stage, self.config, self.device, link, micro_batches_of(self.config, link))
+        self.depth = link.num_stages
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._flying: set[str] = set()
+        self.max_in_flight = 0  # the most steps that were in flight at once (tests, stats)
+
+    # the step hook: a "release" or "stop" waits for the steps in flight first (the stages must
+    # finish them: a stage's send waits for the next stage's receive)
+    @property
+    def step_hook(self):
+        return None if self._hook is None else self._announce
+
+    @step_hook.setter
+    def step_hook(self, hook) -> None:
+        self._hook = hook
+
+    def _announce(self, kind: str, payload: Any = None) -> None:
+        if kind in ("release", "stop"):
+            self._drain()
+        self._hook(kind, payload)
+
+    def _drain(self) -> list[RequestOutput]:
+        outputs = []
+        while self._in_flight:
+            outputs += self._finish_oldest()
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step over the requests not in flight (they are hidden from it meanwhile)."""
+        s = self.scheduler
+        if not self._flying:
+            return s.schedule()
+        before, cfg = list(s.running), s.cfg
+        s.running = [r for r in before if r.req_id not in self._flying]
+        s.cfg = dataclasses.replace(cfg, max_num_seqs=max(0, cfg.max_num_seqs - len(self._flying)))
+        try:
+            return s.schedule()
+        finally:
+            after, s.cfg = s.running, cfg
+            kept, old = {id(r) for r in after}, {id(r) for r in before}
+            s.running = ([r for r in before if r.req_id in self._flying or id(r) in kept]
+                         + [r for r in after if id(r) not in old])
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            self._drain_inbox()
+            if self._suspended is not None:
+                return []
+            sched = self._schedule()
+            if not sched.is_empty:
+                self.num_steps += 1
+                if self._hook is not None:
+                    self._hook("step", sched.chunks)
+                self._in_flight.append(sched)
+                self._flying.update(c.req_id for c in sched.chunks)
+                self.max_in_flight = max(self.max_in_flight, len(self._in_flight))
+            if not self._in_flight or (not sched.is_empty and len(self._in_flight) < self.depth):
+                return []
+            return self._finish_oldest()
+
+    def _finish_oldest(self) -> list[RequestOutput]:
+        sched = self._in_flight.popleft()
+        self._flying.difference_update(c.req_id for c in sched.chunks)
+        live = self.scheduler.requests  # a request aborted while in flight is gone from it
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception as e:  # fail this step's requests, keep serving the others
+            return self._emit([self._fail(c.req_id, f"the forward failed: {type(e).__name__}: {e}")
+                               for c in sched.chunks if c.req_id in live])
+        for req_id, scored in self.runner.prompt_log_probs.items():
+            if req_id in live:
+                live[req_id].prompt_log_probs.extend(scored)
+        failed = [self._fail(req_id, token.error) for req_id, token in sampled.items() if token.error and req_id in live]
+        changed = self.scheduler.update_from_output(sched, sampled)
+        return self._emit(failed + self._outputs(changed))
+
+    def suspend(self) -> None:
+        with self._lock:
+            self._emit(self._drain())
+        super().suspend()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "steps_in_flight": len(self._in_flight), "max_steps_in_flight": self.max_in_flight}
 
 
 def micro_batches_of(cfg: EngineConfig, link: StageLink) -> int:
-    return cfg.pp_micro_batches or link.num_stages
+    return cfg.pp_micro_batches or 1
 
 
 @dataclasses.dataclass
@@ -295,8 +410,35 @@ class PipelineMember:
         return self.engine is not None
 
     def follow(self) -> None:
-        """Run the leader's forwards until it stops (every rank but the leader)."""
-        follow(self.runner, self.messages)
+        """Run the leader's forwards until it stops (every rank but the leader). A thread receives the
+        leader's messages into a queue, so that the leader's announcement of a new step never waits
+        for this rank's forward of an older one (the leader announces the newest step, then runs its
+        own stage of the oldest, in which the last stage's tensor-parallel ranks take part)."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        def receive() -> None:
+            while True:
+                try:
+                    kind, payload = self.messages.broadcast()
+                except Exception as e:  # the leader is gone (the group's timeout): say so in the main thread
+                    inbox.put(("error", e))
+                    return
+                inbox.put((kind, payload))
+                if kind == "stop":
+                    return
+
+        threading.Thread(target=receive, name="meshtron-pp-messages", daemon=True).start()
+        while True:
+            kind, payload = inbox.get()
+            if kind == "step":
+                self.runner.forward_only(payload)
+            elif kind == "release":
+                self.runner.release()
+            elif kind == "stop":
+                return
+            elif kind == "error":
+                raise payload
+            # "ping": the leader is alive and idle
 
 
 def pipeline_messages(pp_group, tp_group, timeout_s: float) -> TPGroup:

@@ -1,7 +1,7 @@
 """Pipeline-parallel inference (`meshtron.inference.pipeline_engine`, gloo ranks; NCCL under
 MESHTRON_TEST_BACKEND=nccl) against the single-process engine: the same greedy tokens for mixed prompt
 lengths with chunked prefill and preemption (a small KV pool), for dense, MoE and hybrid Mamba models,
-pp2 and pp2 x tp2; each stage's KV memory is the single-process figure times its share of the
+pp2 and pp2 x tp2, with pp steps in flight at once (and steps cut into micro-batches); each stage's KV memory is the single-process figure times its share of the
 attention layers (its Mamba states likewise); a per-rank KV budget holds pp times the blocks."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def pipeline_rank(rank: int, world_size: int, pp: int, tp: int, kind: str, promp
     eng.shutdown()  # releases the followers
     return {**stage, "kv_bytes": member.runner.cache.num_bytes, "state_bytes": state_bytes(member.runner),
             "tokens": [o.token_ids for o in outputs], "preempted": len(preempted), "steps": eng.num_steps,
-            "forwards": forwards}
+            "forwards": forwards, "max_in_flight": eng.max_in_flight}
 
 
 def single_process(kind: str, prompts, max_tokens, options=ENGINE):
@@ -109,8 +109,9 @@ def check_against_single_process(kind: str, pp: int, tp: int, options=ENGINE, nu
     leader = results[(pp - 1) * tp]  # tp rank 0 of the last stage leads
     assert leader["tokens"] == expected
     assert leader["preempted"] > 0
-    # several micro-batches per step went through the stages (a one-request step runs as one)
-    assert leader["forwards"]["varlen"] > leader["steps"]
+    assert leader["max_in_flight"] == pp  # every stage had a step of its own at once
+    if options.get("pp_micro_batches", 0) > 1:  # steps were cut into micro-batches (a one-request step is one)
+        assert leader["forwards"]["varlen"] > leader["steps"]
     single_states = state_bytes(single.runner)
     for r in results:
         assert r["num_blocks"] == single.config.num_blocks  # one block table for every stage
@@ -132,7 +133,8 @@ def test_pp2_dense_from_a_checkpoint_equals_single_process_and_kv_per_stage(tmp_
 
 @pytest.mark.parametrize("kind", ["moe", "hybrid"])
 def test_pp2_moe_and_hybrid_mamba_equal_single_process(kind):
-    check_against_single_process(kind, pp=2, tp=1)
+    # the hybrid model's steps are also cut into two micro-batches each
+    check_against_single_process(kind, pp=2, tp=1, options={**ENGINE, "pp_micro_batches": 2} if kind == "hybrid" else ENGINE)
 
 
 @pytest.mark.slow
@@ -194,3 +196,52 @@ def test_cuda_graphs_are_refused_under_pp():
     stage = build_stage(tiny_model(), [range(0, 2), range(2, 4)], 0)
     with pytest.raises(ConfigError, match="engine.cuda_graphs"):
         resolve_pipeline_config(stage, EngineConfig(cuda_graphs=True), torch.device("cpu"), None)
+
+
+def interrupted_rank(rank: int, world_size: int, prompts, max_tokens):
+    """The leader aborts a request while its step is in flight and suspends and resumes with steps in
+    flight; -> the finished outputs by request (leader), None (follower)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtron.inference.config import EngineConfig
+    from meshtron.inference.pipeline_engine import build_pipeline_member
+    from meshtron.inference.tp_serving import Leader, lead
+    from meshtron.parallel.dims import ParallelDims
+
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=120))
+    mesh = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=2).build_mesh(rank_device_type(), 120)
+    member = build_pipeline_member(build_model("gqa-rope").to(rank_device_type()), TOKENIZER,
+                                   EngineConfig(device=rank_device_type(), **ENGINE), pp_group=mesh["pp"].get_group(),
+                                   timeout_s=120)
+    if not member.is_leader:
+        member.follow()
+        return None
+    eng = lead(member.engine, Leader(member.messages))
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, greedy_params(max_tokens))]
+    finished, aborted = {}, None
+    for step in range(12):
+        finished.update({o.req_id: o for o in eng.step() if o.finished})
+        if step == 3:
+            aborted = next(iter(eng._flying))  # a request whose step is in flight
+            assert eng.abort(aborted)
+        if step == 6:
+            assert eng._in_flight  # suspend waits for the steps in flight
+            eng.suspend()
+            eng.resume()
+    while eng.has_unfinished_requests():
+        finished.update({o.req_id: o for o in eng.step() if o.finished})
+    eng.shutdown()
+    return {i: finished[i].token_ids for i in ids if i != aborted}, ids.index(aborted)
+
+
+def test_pp2_abort_in_flight_and_suspend_resume_keep_the_other_outputs():
+    prompts, max_tokens = workload(8, max_prompt=20, max_output=10)
+    _, expected, _ = single_process("gqa-rope", prompts, max_tokens)
+    outputs, aborted = run_ranks("tests.inference.test_pipeline_engine:interrupted_rank", 2, timeout_s=300,
+                                 prompts=prompts, max_tokens=max_tokens)[1]
+    assert len(outputs) == len(prompts) - 1
+    for i, tokens in enumerate(expected):
+        if i != aborted:
+            assert outputs[f"req-{i}"] == tokens
