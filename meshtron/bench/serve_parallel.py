@@ -4,8 +4,10 @@
                 process each with `--threads` intra-op threads, against one process with pp x threads
                 threads, on the same seeded offline workload (every request arrives at t=0, greedy, eos
                 ignored so every request makes its drawn number of tokens). The ratio is the pipeline's
-                cost: the hidden states sent between stages, the step's bubble of (pp - 1) / (m + pp - 1)
-                with m micro-batches (`--micro-batches`, 0: pp), and smaller matrix products per process.
+                cost: the hidden states sent between stages, idle stages when fewer requests run than
+                steps are in flight, and smaller matrix products per process.
+                Also run: the pipeline one step at a time (`sync`, each stage busy 1 / pp of the time),
+                unsplit and cut into pp micro-batches, to show what the steps in flight buy.
                 Both runs must produce the same tokens (checked). The stages run on gloo ranks of one
                 machine (`meshtron.testing.multiprocess.run_ranks`), so the transfers are local copies.
     --mode dp   data-parallel replicas behind one HTTP endpoint (`meshtron serve --dp`): `--dp` replica
@@ -85,7 +87,8 @@ def run_single(spec: dict[str, Any], prompts, outputs, threads: int) -> tuple[fl
         torch.set_num_threads(before)
 
 
-def pp_rank(rank: int, world_size: int, spec: dict[str, Any], prompts, outputs, threads: int, micro_batches: int):
+def pp_rank(rank: int, world_size: int, spec: dict[str, Any], prompts, outputs, threads: int, micro_batches: int,
+            depth: int):
     """One stage of the pipeline (run_ranks target): the leader returns (wall seconds, tokens)."""
     from datetime import timedelta
 
@@ -107,18 +110,19 @@ def pp_rank(rank: int, world_size: int, spec: dict[str, Any], prompts, outputs, 
         member.follow()
         return None
     engine = lead(member.engine, Leader(member.messages))
+    engine.depth = depth  # steps in flight at once: pp (the default), or 1 (one step through the stages at a time)
     try:
         return _timed_generate(engine, prompts, outputs)
     finally:
         engine.shutdown()
 
 
-def run_pipeline(spec: dict[str, Any], prompts, outputs, pp: int, threads: int,
-                 micro_batches: int) -> tuple[float, list[list[int]]]:
+def run_pipeline(spec: dict[str, Any], prompts, outputs, pp: int, threads: int, micro_batches: int,
+                 depth: int) -> tuple[float, list[list[int]]]:
     from meshtron.testing.multiprocess import run_ranks
 
     results = run_ranks("meshtron.bench.serve_parallel:pp_rank", pp, timeout_s=1800, spec=spec, prompts=prompts,
-                        outputs=outputs, threads=threads, micro_batches=micro_batches)
+                        outputs=outputs, threads=threads, micro_batches=micro_batches, depth=depth)
     return results[-1]  # the leader: the last stage
 
 
@@ -129,16 +133,18 @@ def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
             "num_blocks": args.num_requests * -(-(args.prompt_len[1] + args.output_len[1]) // 16)}
     prompts, outputs = build_workload(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     tokens = sum(outputs)
-    micro = sorted({args.micro_batches or args.pp, 1})
-    walls: dict[str, list[float]] = {"single": [], **{f"pp{args.pp} m={m}": [] for m in micro}}
+    # (name, steps in flight, micro-batches per step)
+    variants = [(f"pp{args.pp}", args.pp, args.micro_batches or 1), (f"pp{args.pp} sync", 1, 1),
+                (f"pp{args.pp} sync m={args.pp}", 1, args.pp)]
+    walls: dict[str, list[float]] = {"single": [], **{name: [] for name, _, _ in variants}}
     reference, agree = None, True
     for _ in range(args.repeats):
         wall, out = run_single(spec, prompts, outputs, args.pp * args.threads)
         walls["single"].append(wall)
         reference = reference or out
-        for m in micro:
-            wall, out = run_pipeline(spec, prompts, outputs, args.pp, args.threads, m)
-            walls[f"pp{args.pp} m={m}"].append(wall)
+        for name, depth, m in variants:
+            wall, out = run_pipeline(spec, prompts, outputs, args.pp, args.threads, m, depth)
+            walls[name].append(wall)
             agree = agree and out == reference
     rows = []
     single = statistics.median(walls["single"])
@@ -148,7 +154,8 @@ def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
                      "vs_single": round(single / wall, 3), "walls": [round(x, 3) for x in w]})
     return {"mode": "pp", "rows": rows, "same_tokens": agree, "output_tokens": tokens,
             "note": f"{args.pp} stages x {args.threads} thread(s) against one process with {args.pp * args.threads} "
-                    f"threads; m = micro-batches per step"}
+                    f"threads; pp{args.pp}: {args.pp} steps in flight; sync: one step through the stages at a time "
+                    f"(m: micro-batches per step)"}
 
 
 def mode_dp(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve_parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="pp", help="which layout to measure (default pp)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
-    p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step of the pipeline (0: pp); "
-                                                                "m=1 is always run too, to show what they buy")
+    p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step of the pipeline (0: 1); "
+                                                                "one step at a time (m=1, m=pp) is run too, "
+                                                                "to show what steps in flight buy")
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas (--mode dp; default 2)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads per stage or replica process (default 1)")
