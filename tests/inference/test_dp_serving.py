@@ -113,6 +113,34 @@ def test_coordinator_places_by_outstanding_tokens():
         coordinator.close()
 
 
+def test_an_engine_worker_sends_prompt_log_probs_and_top_log_probs():
+    """Through msgpack as on the wire: the finished result carries the prompt's log probs (the
+    coordinator path used to drop them) and each token's top alternatives, as the engine made them."""
+    from meshtron.inference.coordinator import pack, unpack
+    from meshtron.inference.coordinator_worker import unpack_log_probs
+    from meshtron.inference.request import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, return_log_probs=True, top_log_probs=2, prompt_logprobs=2)
+    prompt = [5, 6, 7, 8, 9]
+    handler = EngineHandler(engine(tiny_model(), **ENGINE))
+    handler.submit("a", unpack(pack({"prompt": prompt, "sampling": vars(params)})))
+    done = []
+    while not done:
+        done = handler.step()
+    (req_id, result, error), = done
+    result = unpack(pack(result))["output"]
+    ref = engine(tiny_model(), **ENGINE).generate(prompt, params)[0]
+
+    def rows(items):
+        return [None if lp is None else (lp.token_id, round(lp.log_prob, 5), [(t, round(v, 5)) for t, v in lp.top])
+                for lp in items]
+
+    assert error is None and result["new_token_ids"] == ref.token_ids
+    assert rows(unpack_log_probs(result["prompt_log_probs"])) == rows(ref.prompt_log_probs)
+    assert rows(unpack_log_probs(result["new_log_probs"])) == rows(ref.log_probs)
+    assert ref.prompt_log_probs[0] is None and len(ref.prompt_log_probs) == len(prompt)
+
+
 # ---- the HTTP front of in-process replicas ------------------------------------------------------------
 
 class DyingHandler(EngineHandler):
