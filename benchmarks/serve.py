@@ -5,7 +5,7 @@ with --mode decode, batch-1 decode against the memory-bandwidth limit (meshtron/
                                [--decode-attention auto gather compiled native] [--repeats N] [--pairs 3]
                                [--naive-requests N] [--skip engine static naive] [--output benchmarks/results/serve.json]
     python benchmarks/serve.py --mode decode [--repeats 5] [--decode-tokens 128] [--threads 2] [--skip fp32 int8 ...]
-                               [--mtp-checkpoint runs/tiny-mtp] [--output benchmarks/results/serve_decode.json]
+                               [--mtp-checkpoint runs/tiny-mtp/checkpoints] [--output benchmarks/results/serve_decode.json]
 """
 
 import sys

@@ -57,9 +57,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every config field as --section.field, plus the short gradient-capture flags."""
-    add_config_arguments(parser)
+def add_training_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """The config fields `command` reads as --section.field, plus the short gradient-capture flags."""
+    add_config_arguments(parser, command=command)
     group = parser.add_argument_group("gradient capture (same as --grads.*)")
     group.add_argument("--save-wgrads", dest="grads.save_wgrads", default=argparse.SUPPRESS, metavar="DIR",
                        help="save the weight gradients of every linear, embedding, MoE expert and router layer under DIR")
@@ -206,24 +206,28 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="meshtron", description="Train, serve and post-train LLMs on torch.distributed.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    parser = OneLineParser(prog="meshtron", description="Train, serve and post-train LLMs on torch.distributed. "
+                           "Flags are kebab-case or snake_case alike (--train.train-iters = --train.train_iters); a "
+                           "boolean is --x or --no-x; `meshtron COMMAND --help` lists a command's flags.")
+    parser.add_argument("--version", action="version", version=f"meshtron {meshtron_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a model from a config", description="Train a model. Every config "
                            "field is a flag --section.field; values given here override the YAML file.")
-    add_training_arguments(train)
+    add_training_arguments(train, "train")
     train.set_defaults(func=cmd_train)
 
     distill = sub.add_parser("distill", help="distill a frozen teacher into a student",
                              description="Train the student of the config against the teacher of teacher.load "
                                          "with the losses of the distill section (docs/distillation.md).")
-    add_training_arguments(distill)
+    add_training_arguments(distill, "distill")
     distill.set_defaults(func=cmd_distill)
 
     gen = sub.add_parser("generate", help="sample text from a checkpoint")
     gen.add_argument("--checkpoint", required=True, help="checkpoint directory (a step dir or its parent with 'latest')")
     gen.add_argument("--prompt", default="", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    gen.add_argument("--max-new-tokens", "--max-tokens", type=int, default=200,
+                     help="tokens to generate (default 200; rl.max_new_tokens in a config, max_tokens over HTTP)")
     gen.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -305,7 +309,33 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register_plan_command(sub)
+    completion = sub.add_parser("completion", help="print a shell completion script (extra 'completion')",
+                                description="Print the completion script of `meshtron` for a shell, e.g. "
+                                            "eval \"$(meshtron completion bash)\" in ~/.bashrc (docs/quickstart.md).")
+    completion.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell to complete in")
+    completion.set_defaults(func=lambda args: cmd_completion(args, parser))
     return parser
+
+
+def meshtron_version() -> str:
+    """The installed distribution's version (the package's own when it runs from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshtron")
+    except PackageNotFoundError:
+        import meshtron
+
+        return meshtron.__version__
+
+
+def cmd_completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        import shtab
+    except ImportError:
+        raise ConfigError("shell completion needs shtab: pip install 'meshtron[completion]'") from None
+    print(shtab.complete(parser, shell=args.shell))
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

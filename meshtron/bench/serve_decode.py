@@ -41,7 +41,7 @@ from meshtron.config.schema import ModelConfig
 from meshtron.models import GPTModel
 
 DEFAULT_OUTPUT = Path("benchmarks/results/serve_decode.json")
-DEFAULT_MTP_CHECKPOINT = "runs/tiny-mtp"
+DEFAULT_MTP_CHECKPOINT = "runs/tiny-mtp/checkpoints"
 # the issue's goals: fp32 at >= 90% of the GEMV ceiling, int8 weight-only >= 2x fp32, MTP speculative >= 1.5x
 GOAL_FP32_OF_GEMV, GOAL_INT8_SPEEDUP, GOAL_SPECULATIVE_SPEEDUP = 0.9, 2.0, 1.5
 SYSTEMS = ("fp32", "int8", "speculative", "transformers")
@@ -164,18 +164,22 @@ def build_engine(model: nn.Module, tokenizer, **options):
     return LLMEngine(model, tokenizer, EngineConfig(device="cpu", max_num_seqs=1, **options))
 
 
-def engine_decode(engine, prompt: list[int], num_tokens: int) -> tuple[float, list[int]]:
-    """One greedy request; -> (tokens/s after the first token, its tokens)."""
+def engine_decode(engine, prompt: list[int], num_tokens: int) -> tuple[float, list[int], dict[str, Any]]:
+    """One greedy request; -> (tokens/s after the first token, its tokens, its speculative acceptance rate
+    where the engine drafts)."""
     from meshtron.inference.request import SamplingParams
 
     engine.add_request(prompt, SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
-    first = engine.step()  # the prefill and the first token
-    start, tokens = time.perf_counter(), list(first[-1].token_ids) if first else []
+    first = []
+    while not first:  # the prefill (in chunks if it exceeds the step budget) and the first token
+        first = engine.step()
+    start, last = time.perf_counter(), first[-1]
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens = list(out.token_ids)
-    rate = (len(tokens) - len(first[-1].token_ids)) / (time.perf_counter() - start)
-    return rate, tokens
+            last = out
+    rate = (len(last.token_ids) - len(first[-1].token_ids)) / (time.perf_counter() - start)
+    accepted = getattr(last, "acceptance_rate", None)
+    return rate, list(last.token_ids), {} if accepted is None else {"acceptance_rate": accepted}
 
 
 class _StepClock:
@@ -189,7 +193,7 @@ class _StepClock:
         return scores
 
 
-def transformers_decode(hf_model, prompt: list[int], num_tokens: int) -> tuple[float, list[int]]:
+def transformers_decode(hf_model, prompt: list[int], num_tokens: int) -> tuple[float, list[int], dict[str, Any]]:
     from transformers import LogitsProcessorList
 
     clock = _StepClock()
@@ -197,7 +201,7 @@ def transformers_decode(hf_model, prompt: list[int], num_tokens: int) -> tuple[f
         out = hf_model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
                                 logits_processor=LogitsProcessorList([clock]))
-    return (num_tokens - 1) / (clock.times[num_tokens - 1] - clock.times[0]), out[0, len(prompt):].tolist()
+    return (num_tokens - 1) / (clock.times[num_tokens - 1] - clock.times[0]), out[0, len(prompt):].tolist(), {}
 
 
 def load_transformers(model: GPTModel, workdir: Path):
@@ -246,10 +250,10 @@ class Runs:
 
     def __init__(self) -> None:
         self.rows: dict[str, dict[str, Any]] = {}
-        self.decode: dict[str, Callable[[], tuple[float, list[int]]]] = {}
+        self.decode: dict[str, Callable[[], tuple[float, list[int], dict[str, Any]]]] = {}
 
     def add(self, name: str, model: str, decode: Optional[Callable], note: str = "", **fields) -> None:
-        self.rows[name] = {"system": name, "model": model, "rates": [], "note": note, **fields}
+        self.rows[name] = {"system": name, "model": model, "rates": [], "note": note, "info": [], **fields}
         if decode is not None:
             self.decode[name] = decode
 
@@ -304,7 +308,7 @@ def setup_speculative(args, runs: Runs) -> dict[str, Any]:
     model = base.runner.model
     label = f"MTP checkpoint ({model.cfg.num_layers} x {model.cfg.hidden_size})"
     runs.add("meshtron fp32 (MTP checkpoint)", label, lambda: engine_decode(base, prompt, args.decode_tokens))
-    runs.add(f"meshtron {name}", label, lambda: engine_decode(spec, prompt, args.decode_tokens), spec_engine=spec)
+    runs.add(f"meshtron {name}", label, lambda: engine_decode(spec, prompt, args.decode_tokens))
     return {"model": model, "prompt_len": len(prompt)}
 
 
@@ -317,8 +321,9 @@ def run_repeats(runs: Runs, args, weights: list[torch.Tensor], spec: dict[str, A
         if spec:
             r["gemv_s_mtp"] = gemv_pass_seconds(linear_weights(spec["model"]))
         for name, decode in runs.decode.items():
-            rate, tokens = decode()
+            rate, tokens, info = decode()
             runs.rows[name]["rates"].append(rate)
+            runs.rows[name]["info"].append(info)
             runs.rows[name]["tokens"] = tokens
         rounds.append(r)
     return rounds
@@ -338,7 +343,7 @@ def summarize(runs: Runs, rounds: list[dict[str, float]], model: GPTModel, args,
     for name, row in runs.rows.items():
         key = "mtp" if row["model"].startswith("MTP") else "random"
         bytes_model = row.pop("bytes_model", None)
-        spec_engine = row.pop("spec_engine", None)
+        info = row.pop("info")
         out = {k: v for k, v in row.items() if k != "tokens"}
         if not row["rates"]:
             rows.append({**out, "tok_per_s": None})
@@ -356,8 +361,9 @@ def summarize(runs: Runs, rounds: list[dict[str, float]], model: GPTModel, args,
             k = min(len(row["tokens"]), len(ref["tokens"]))
             out["same_tokens"] = row["tokens"] == ref["tokens"]
             out["token_agreement"] = sum(a == b for a, b in zip(row["tokens"][:k], ref["tokens"][:k])) / max(k, 1)
-        if spec_engine is not None:
-            out["speculative_stats"] = speculative_stats(spec_engine)
+        accepted = [i["acceptance_rate"] for i in info if "acceptance_rate" in i]
+        if accepted:
+            out["acceptance_rate"] = statistics.median(accepted)
         rows.append(out)
     return {"limits": {k: {f: v for f, v in lim.items() if f != "context_lengths"} for k, lim in limits.items()},
             "rows": rows}
@@ -377,14 +383,6 @@ def model_limits(model: GPTModel, prompt_len: int, num_tokens: int, rounds: list
             "gemv_tok_s": [g * 1e9 / nbytes["per_step"] for g in gemv_gbps],
             "bandwidth_limit_tok_s": statistics.median(r["bandwidth_gbps"] for r in rounds) * 1e9 / nbytes["per_step"],
             "gemv_ceiling_tok_s": statistics.median(gemv_gbps) * 1e9 / nbytes["per_step"]}
-
-
-def speculative_stats(engine) -> dict[str, Any]:
-    """The engine's speculative counters where it keeps them (engine.speculative_method)."""
-    stats = getattr(engine.runner.speculative, "stats", None)
-    if callable(stats):
-        stats = stats()
-    return dict(stats) if isinstance(stats, dict) else {}
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,8 +425,9 @@ def print_report(report: dict[str, Any], args) -> None:
             continue
         same = "" if "same_tokens" not in r else ("yes" if r["same_tokens"] else f"no ({r['token_agreement']:.0%})")
         x = f"{r['x_fp32']:.2f}" if "x_fp32" in r else "1.00"
+        accepted = f", {r['acceptance_rate']:.0%} of drafts accepted" if "acceptance_rate" in r else ""
         print(f"{r['system']:<36}{r['tok_per_s']:>8.1f}{x:>8}{r['of_bandwidth_limit']:>10.1%}"
-              f"{r['of_gemv_ceiling']:>9.1%}{r['effective_gbps']:>7.1f}  {same}")
+              f"{r['of_gemv_ceiling']:>9.1%}{r['effective_gbps']:>7.1f}  {same}{accepted}")
     for name, g in report["goals"].items():
         state = "n/a" if g["value"] is None else ("met" if g["met"] else "not met")
         shown = "n/a" if g["value"] is None else f"{g['value']:.2f}"

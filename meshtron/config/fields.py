@@ -7,6 +7,7 @@ parser, the YAML loader and `--help` are all generated from these declarations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -110,6 +111,11 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
 
 def field_types(cls: type) -> dict[str, Any]:
     """Resolved annotations of a config dataclass (handles `from __future__ import annotations`)."""
+    return dict(_type_hints(cls))
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:  # resolving evaluates every annotation string: once per class
     return typing.get_type_hints(cls)
 
 

@@ -24,8 +24,23 @@ HEADER = """# Configuration reference
 
 Every field of a run is set in a YAML file (`--config C`, one mapping per section) or on the command
 line as `--section.field value`; flags override the file, the file overrides the defaults.
-`meshtron config show --config C` prints the resolved config and what differs from the defaults;
-`meshtron train --help` lists the same fields. Values are YAML: `null`, `true`, `[a, b]`.
+`meshtron config show --config C` prints the resolved config and what differs from the defaults.
+Values are YAML: `null`, `true`, `[a, b]`.
+
+Command-line conventions (every `meshtron` command):
+
+- kebab-case and snake_case name the same flag: `--train.train-iters 100` = `--train.train_iters 100`,
+  `--max-num-seqs 8` = `--max_num_seqs 8`; YAML keys may be written either way too. Flags are never
+  abbreviated: a misspelled or shortened flag is refused with the nearest one ("did you mean").
+- a boolean is `--x` (true) or `--no-x` (false): `--parallel.compile`, `--parallel.no_compile`,
+  `--enable-prefix-caching`, `--no-enable-prefix-caching`; `--x true` / `--x false` is accepted too.
+- `meshtron train`, `rl` and `distill` take only the sections they read and refuse the others, on the
+  command line and in the YAML file (a section left at its defaults, as in a run directory's
+  `config.yaml`, is accepted): `train` reads model, parallel, optimizer, scheduler, train, tokenizer,
+  data, checkpoint, logger, grads and profile; `rl` adds rl and env; `distill` adds teacher and distill.
+- `meshtron COMMAND --help` lists a command's flags and the field names of its sections;
+  `--help-all` adds each field's type, default and help. `meshtron --version` prints the version;
+  `meshtron completion bash|zsh|tcsh` prints a shell completion script (extra `completion`).
 """
 
 

@@ -13,6 +13,7 @@ from dataclasses import InitVar, dataclass
 from typing import Optional
 
 from meshtron.config.fields import ConfigError, option
+from meshtron.config.flags import BoolFlag
 
 
 @dataclass(kw_only=True)
@@ -167,7 +168,7 @@ def add_engine_arguments(parser, skip: tuple[str, ...] = ()) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"] + f" (default {f.default})"
         if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            parser.add_argument(flag, dest=f.name, action=BoolFlag, default=f.default,
                                 help=help_text)
         elif f.name in GRAPH_BUCKET_FIELDS:
             parser.add_argument(flag, dest=f.name, default=f.default, help=help_text + "; comma-separated",

@@ -83,7 +83,8 @@ class GPTModel(nn.Module):
             h = h + self.position_embedding(ctx.positions)
         if self.rotary is not None:
             ctx.rope = self.rotary(ctx.positions)
-        h = self.embedding_dropout(h)
+        if self.training and self.embedding_dropout.p > 0:  # the identity otherwise: no call
+            h = self.embedding_dropout(h)
         for layer in self.layers:
             h = layer(h, ctx)
         logits = self.head(self.final_norm(h))

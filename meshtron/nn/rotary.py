@@ -54,7 +54,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """x (batch, seq, heads, head_dim); cos/sin (batch, seq, rotary_dim) with rotary_dim <= head_dim."""
     rot = cos.shape[-1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (batch, seq, 1, rotary_dim)
     if x.dtype == torch.float32 and rot == x.shape[-1] and not interleaved:
         return x * cos + rotate_half(x) * sin  # the common case below without its casts and slices (decode)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))

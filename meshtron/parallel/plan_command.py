@@ -1,7 +1,7 @@
 """The `meshtron plan` verb: print the per-rank memory estimate of a layout from the config alone,
 and with --parameters each parameter's tensor-parallel placement and local shape.
 
-    meshtron plan --config C --world-size N [--parameters] [--section.field value ...]
+    meshtron plan --config C [--world-size N] [--parameters] [--section.field value ...]
 
 `register(subparsers)` adds it to the main CLI. A configuration error prints one line to stderr and
 returns 2.
@@ -55,16 +55,23 @@ def describe_layout(cfg, world_size: int) -> str:
     return "; ".join([layout, *[e for e in extras if e]])
 
 
+def layout_world_size(p) -> int:
+    """The processes a layout names: the product of its degrees (dp_shard -1 counts as 1)."""
+    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from meshtron.parallel.plan import estimate_memory, parameter_layout
 
     try:
-        if args.world_size < 1:
+        if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world-size: {args.world_size} is not allowed; must be >= 1")
-        cfg = load_config(args.config, overrides_from_args(args), world_size=args.world_size)
-        rows = estimate_memory(cfg, args.world_size)
-        params = parameter_layout(cfg, args.world_size) if args.parameters else None
-        layout = describe_layout(cfg, args.world_size)
+        cfg = load_config(args.config, overrides_from_args(args), validate=False)
+        world_size = args.world_size or layout_world_size(cfg.parallel)
+        cfg.validate(world_size=world_size)
+        rows = estimate_memory(cfg, world_size)
+        params = parameter_layout(cfg, world_size) if args.parameters else None
+        layout = describe_layout(cfg, world_size)
     except ValueError as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -84,7 +91,9 @@ def register(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="estimate per-rank memory of a parallel layout (no allocation)",
                                  description="Estimate parameter, gradient, optimizer-state and activation memory "
                                  "per pipeline rank from the config alone (meta device, nothing allocated).")
-    plan.add_argument("--world-size", type=int, required=True, help="number of processes the layout runs on")
+    plan.add_argument("--world-size", type=int, default=None,
+                      help="number of processes the layout runs on (default: the product of the config's parallel "
+                           "degrees, dp_shard -1 counting as 1)")
     plan.add_argument("--parameters", action="store_true",
                       help="also print every parameter's tensor-parallel placement and tp rank 0's local shape")
     add_config_arguments(plan)

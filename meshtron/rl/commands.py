@@ -23,5 +23,5 @@ def register(sub) -> None:
                         description="GRPO: rollouts from the in-process engine, verifiable rewards, policy updates. "
                                     "Every config field is a flag --section.field; the rl and env sections hold "
                                     "the RL settings.")
-    add_config_arguments(rl)
+    add_config_arguments(rl, command="rl")
     rl.set_defaults(func=cmd_rl)
