@@ -192,7 +192,7 @@ def test_max_new_tokens_has_one_name_and_accepts_max_tokens():
 
 
 def test_plan_defaults_the_world_size_to_the_configs_degrees(capsys):
-    assert main(["plan", "--config", str(ROOT / "configs/tiny.yaml"), "--parallel.tp", "2",
+    assert main(["plan", "--config", str(ROOT / "configs/tiny-bytes.yaml"), "--parallel.tp", "2",
                  "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--train.micro_batch_size", "8"]) == 0
     assert "plan: world 4 = dp_replicate 2 x dp_shard 1 x cp 1 x tp 2 x pp 1" in capsys.readouterr().out
 
