@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from meshtron.config.fields import ConfigError
 from meshtron.inference.config import EngineConfig
 
 QUANTIZE_MODES = EngineConfig.QUANTIZE_MODES
@@ -42,14 +43,14 @@ def _quiet_torchao_import():
             lg.setLevel(level)
 
 
-def import_torchao():
-    """-> the torchao module, imported quietly; one line naming the extra when it is missing."""
+def import_torchao(field: str = "engine.quantize"):
+    """-> the torchao module, imported quietly; one line naming `field` and the extra when it is missing."""
     try:
         with _quiet_torchao_import():
             import torchao
             import torchao.quantization  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"quantized weights need torchao ({e}): pip install 'meshtron[quant]'") from e
+        raise ConfigError(f"{field}: needs torchao, which does not import ({e}): pip install 'meshtron[quant]'") from e
     return torchao
 
 
@@ -67,18 +68,18 @@ def _device_name(device: torch.device) -> str:
 
 def check_quantize(mode: str, device: torch.device, dtype: Optional[torch.dtype] = None,
                    field: str = "engine.quantize") -> None:
-    """Refuse, in one line naming `field`, a mode this device (and weight dtype) cannot run."""
+    """Refuse (ConfigError), in one line naming `field`, a mode this device (and weight dtype) cannot run."""
     if mode not in QUANTIZE_MODES:
-        raise ValueError(f"{field}: {mode!r} is not allowed; choose one of {', '.join(QUANTIZE_MODES)}")
+        raise ConfigError(f"{field}: {mode!r} is not allowed; choose one of {', '.join(QUANTIZE_MODES)}")
     if mode.startswith("float8") and not has_float8(device):
-        raise ValueError(f"{field}: {mode} needs a CUDA GPU with compute capability >= 8.9 (Ada, Hopper or "
+        raise ConfigError(f"{field}: {mode} needs a CUDA GPU with compute capability >= 8.9 (Ada, Hopper or "
                          f"later) for float8 matmuls; this engine runs on {_device_name(device)}: use "
                          "int8-weight-only or none")
     if mode == "int4-weight-only" and device.type == "cuda" and dtype not in (None, torch.bfloat16):
-        raise ValueError(f"{field}: int4-weight-only on CUDA runs torchao's tinygemm kernel, which takes bfloat16 "
+        raise ConfigError(f"{field}: int4-weight-only on CUDA runs torchao's tinygemm kernel, which takes bfloat16 "
                          f"weights and activations (the weights are {dtype}): set engine.dtype bfloat16")
     if mode == "int4-weight-only" and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{field}: int4-weight-only has torchao kernels for a CPU and CUDA only, not "
+        raise ConfigError(f"{field}: int4-weight-only has torchao kernels for a CPU and CUDA only, not "
                          f"{_device_name(device)}: use int8-weight-only or none")
 
 
@@ -122,7 +123,7 @@ def _is_sharded(model: nn.Module) -> bool:
 def quantize_model(model: nn.Module, mode: str, device: Optional[torch.device] = None) -> nn.Module:
     """Quantize the weights of `model`'s linear layers in place (see the module docstring) and
     return it; `none` returns it unchanged. device: where it runs (default: where its parameters are).
-    Refuses (ValueError, one line) a mode the device cannot run and a tensor-parallel model."""
+    Refuses (ConfigError, a ValueError: one line) a mode the device cannot run and a tensor-parallel model."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     check_quantize(mode, device, dtype)
@@ -131,12 +132,12 @@ def quantize_model(model: nn.Module, mode: str, device: Optional[torch.device] =
     if _is_sharded(model):
         # measured with torchao 0.18: its quantized tensors inside DTensor shards fail in the forward
         # (aten.view is not implemented for Int8Tensor), and quantize_ on a DTensor weight drops the sharding
-        raise ValueError(f"engine.quantize: {mode} cannot be combined with tensor-parallel serving (torchao's "
+        raise ConfigError(f"engine.quantize: {mode} cannot be combined with tensor-parallel serving (torchao's "
                          "quantized weights do not run as DTensor shards); serve in one process (not under torchrun), or "
                          "with quantize none")
     done = getattr(model, "quantization", "none")
     if done != "none":
-        raise ValueError(f"engine.quantize: the model is already quantized ({done}); load it again to change mode")
+        raise ConfigError(f"engine.quantize: the model is already quantized ({done}); load it again to change mode")
     config = _torchao_config(mode, device)
     from torchao.quantization import quantize_
 

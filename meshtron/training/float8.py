@@ -45,7 +45,7 @@ def apply_float8_training(model: nn.Module, device: torch.device, tp: int = 1, e
     matmul), which runs anywhere: for tests on a CPU, never for training."""
     if not emulate:
         check_float8_training(device, tp)
-    import_torchao()
+    import_torchao("train.float8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     convert_to_float8_training(model, module_filter_fn=is_float8_eligible,

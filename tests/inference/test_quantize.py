@@ -129,12 +129,23 @@ def test_the_flag_parses_and_a_bad_mode_names_the_field():
 @pytest.mark.parametrize("mode", ["float8-weight-only", "float8-dynamic"])
 def test_float8_is_refused_on_a_cpu_in_one_line(mode):
     model = model_128()
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         LLMEngine(model, TOKENIZER, EngineConfig(quantize=mode, **ENGINE))
     message = str(err.value)
     assert "engine.quantize" in message and "compute capability >= 8.9" in message and "cpu" in message
     assert "\n" not in message
     assert type(model.output.weight) is torch.nn.Parameter   # nothing was changed
+
+
+def test_the_command_line_refuses_float8_on_a_cpu_in_one_line(tmp_path, capsys):
+    from meshtron.cli import main
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ck")
+    rc = main(["generate", "--checkpoint", checkpoint, "--prompt", "ab", "--device", "cpu",
+               "--quantize", "float8-weight-only"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: engine.quantize: float8-weight-only needs a CUDA GPU")
+    assert err.count("\n") == 1   # one line, no traceback
 
 
 def test_importing_torchao_prints_nothing():
@@ -156,7 +167,7 @@ def tp_rank(rank: int, world_size: int, checkpoint: str):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     try:
         LLMEngine.from_checkpoint(checkpoint, EngineConfig(quantize="int8-weight-only", **ENGINE), tp_mesh=mesh)
-    except ValueError as e:
+    except ConfigError as e:
         return str(e)
     return "not refused"
 
