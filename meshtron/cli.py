@@ -21,12 +21,13 @@ import sys
 from typing import Optional
 
 from meshtron.config.fields import ConfigError
-from meshtron.config.loader import OneLineParser, add_config_arguments, overrides_from_args
+from meshtron.config.loader import OneLineParser, add_config_arguments
 from meshtron.config.reference import Section
 from meshtron.inference.config import EngineConfig, add_engine_arguments
 from meshtron.inference.dp_serving import add_dp_arguments, uses_replicas
 from meshtron.inference.pipeline_args import add_pipeline_arguments
 from meshtron.inference.server_config import add_server_arguments
+from meshtron.training.dry_run import add_dry_run_arguments
 
 __meshtron_api__ = "internal"  # plumbing, free to change (docs/api.md)
 
@@ -36,22 +37,26 @@ ENGINE_SECTION = Section("engine", EngineConfig, "the inference engine behind `m
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from meshtron.config.loader import load_config
     from meshtron.training import Trainer
+    from meshtron.training.dry_run import load_for, run_dry_run
     from meshtron.training.run_dir import check_run_dir
 
-    cfg = load_config(args.config, overrides_from_args(args))
+    cfg = load_for(args, "train")
+    if args.dry_run:
+        return run_dry_run(cfg, "train", args.world_size)
     check_run_dir(cfg)
     Trainer(cfg).train()
     return 0
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from meshtron.config.loader import load_config
     from meshtron.distill import DistillTrainer
+    from meshtron.training.dry_run import load_for, run_dry_run
     from meshtron.training.run_dir import check_run_dir
 
-    cfg = load_config(args.config, overrides_from_args(args))
+    cfg = load_for(args, "distill")
+    if args.dry_run:
+        return run_dry_run(cfg, "distill", args.world_size)
     check_run_dir(cfg)
     DistillTrainer(cfg).train()
     return 0
@@ -60,6 +65,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def add_training_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """The config fields `command` reads as --section.field, plus the short gradient-capture flags."""
     add_config_arguments(parser, command=command)
+    add_dry_run_arguments(parser)
     group = parser.add_argument_group("gradient capture (same as --grads.*)")
     group.add_argument("--save-wgrads", dest="grads.save_wgrads", default=argparse.SUPPRESS, metavar="DIR",
                        help="save the weight gradients of every linear, embedding, MoE expert and router layer under DIR")
