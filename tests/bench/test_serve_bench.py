@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 
+import numpy as np
 import pytest
 
 from meshtron.bench.serve import build_workload, main
@@ -120,6 +121,10 @@ def test_decode_mode_bytes_and_ratios(tmp_path, capsys):
         rate * per_step / (r["bandwidth_gbps"] * 1e9) for rate, r in zip(fp32["rates"], rounds)))
     assert fp32["of_gemv_ceiling"] == pytest.approx(statistics.median(
         rate * per_step * r["gemv_s"] / linear for rate, r in zip(fp32["rates"], rounds)))
+    passes = [t for r in rounds for t in r["gemv_passes_s"]]
+    assert all(r["gemv_s"] == statistics.median(r["gemv_passes_s"]) for r in rounds)
+    assert fp32["of_gemv_ceiling_p10"] == pytest.approx(
+        per_step * float(np.percentile(passes, 10)) / (linear * fp32["token_p10_s"]))
     spec = next(r for name, r in rows.items() if name.startswith("meshtron speculative"))
     assert spec["tok_per_s"] is None and "not available" in spec["note"] and str(missing) in spec["note"]
     int8 = rows["meshtron int8 weight-only"]
