@@ -64,6 +64,13 @@ class EngineConfig:
                                    "compute capability >= 8.9); activations and the KV cache keep the dtype")
     tokenizer: Optional[str] = option(None, "Tokenizer directory or file to use instead of the one saved with the "
                                             "checkpoint (same tokenizer type); default: the checkpoint's own")
+    speculative_method: str = option("none", "Speculative decoding: none, mtp (draft with the model's own MTP depth 1, "
+                                             "model.mtp_num_layers >= 1) or draft (a separate small model, "
+                                             "speculative_model); the output distribution stays the model's own")
+    num_speculative_tokens: int = option(2, "Speculative decoding: tokens drafted per request and step, verified "
+                                            "in one forward of the model")
+    speculative_model: Optional[str] = option(None, "Speculative decoding with speculative_method draft: the draft "
+                                                    "model's checkpoint (same tokenizer and vocabulary)")
 
     # replaced by decode_attention: set only to say so (init-only, no flag, not a field)
     compile_decode_attention: InitVar[Optional[bool]] = None
@@ -106,8 +113,22 @@ class EngineConfig:
              "varlen, or decode_attention auto")
         need(self.quantize in self.QUANTIZE_MODES, "quantize", self.quantize,
              f"choose one of {', '.join(self.QUANTIZE_MODES)}")
+        self._validate_speculative(need)
         for name in GRAPH_BUCKET_FIELDS:
             need(all(b >= 1 for b in getattr(self, name)), name, getattr(self, name), "every bucket must be >= 1")
+
+    def _validate_speculative(self, need) -> None:
+        method = self.speculative_method
+        need(method in ("none", "mtp", "draft"), "speculative_method", method, "choose none, mtp or draft")
+        if method == "none":
+            return
+        need(self.num_speculative_tokens >= 1, "num_speculative_tokens", self.num_speculative_tokens, "must be >= 1")
+        need(self.max_num_batched_tokens > self.num_speculative_tokens, "max_num_batched_tokens",
+             self.max_num_batched_tokens, f"must exceed num_speculative_tokens ({self.num_speculative_tokens}): a "
+             "token and its drafts are verified in one step")
+        need(method == "draft" or self.speculative_model is None, "speculative_model", self.speculative_model,
+             "it applies to speculative_method draft only")
+        need(not self.cuda_graphs, "cuda_graphs", True, "speculative decoding runs eagerly; set cuda_graphs false")
 
     def resolve(self, model_max_len: int, bytes_per_token: int, recurrent_state: bool = False) -> EngineConfig:
         """A copy with max_model_len and num_blocks filled in and cross-field rules checked.
@@ -135,6 +156,10 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name}: {value!r} is not allowed for a model with Mamba layers (each "
                                   "request's chunk is scanned in one piece); use layout varlen without cuda_graphs")
             out = dataclasses.replace(out, enable_prefix_caching=False)
+            if out.speculative_method != "none":
+                raise ConfigError(f"engine.speculative_method: {out.speculative_method!r} is not allowed for a model "
+                                  "with Mamba layers (their state cannot be rolled back past rejected drafts); "
+                                  "use speculative_method none")
         if not out.enable_chunked_prefill and out.max_num_batched_tokens < max_len:
             raise ConfigError(f"engine.max_num_batched_tokens: {out.max_num_batched_tokens} is below max_model_len "
                               f"{max_len}, so without chunked prefill a long prompt could never run; raise it "

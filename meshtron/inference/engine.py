@@ -39,6 +39,7 @@ from meshtron.inference.outputs import Detokenizer, RequestOutput
 from meshtron.inference.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from meshtron.inference.runner import ModelRunner, kv_bytes_per_token
 from meshtron.inference.scheduler import Scheduler
+from meshtron.inference.speculative import kv_bytes_of_drafter
 from meshtron.models.blocks import SUBLAYERS
 
 Prompt = Union[str, Sequence[int]]
@@ -97,7 +98,9 @@ class HandoffLock:
 
 class LLMEngine:
     def __init__(self, model: nn.Module, tokenizer, config: Optional[EngineConfig] = None, *,
-                 model_name: str = "meshtron"):
+                 model_name: str = "meshtron", draft_model: Optional[nn.Module] = None):
+        """draft_model: the drafter of engine.speculative_method draft (from_checkpoint loads
+        engine.speculative_model)."""
         check_supported(model)
         self.tokenizer, self.model_name = tokenizer, model_name
         state_cfg = MambaInferenceStateConfig.from_model(model)
@@ -108,13 +111,14 @@ class LLMEngine:
             quantize_model(model, config.quantize, self.device)  # in place, before the KV cache is sized
         # a null kv_cache_memory_mb: sized from free GPU memory after one profiled max-size step
         config = size_kv_cache(model, config or EngineConfig(), self.device, recurrent_state=state_cfg is not None)
-        self.config = config.resolve(model.cfg.max_position_embeddings, kv_bytes_per_token(model),
+        bytes_per_token = kv_bytes_per_token(model) + kv_bytes_of_drafter(config.speculative_method, model, draft_model)
+        self.config = config.resolve(model.cfg.max_position_embeddings, bytes_per_token,
                                      recurrent_state=state_cfg is not None)
         self.vocab_size = model.vocab_size
         self.kv = KVCacheManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         slots = StateSlotPool(self.config.max_num_seqs) if state_cfg is not None else None
         self.scheduler = Scheduler(self.config, self.kv, slots)
-        self.runner = ModelRunner(model, self.config, self.device)
+        self.runner = ModelRunner(model, self.config, self.device, draft_model)
         self._detokenizers: dict[str, Detokenizer] = {}
         self._seeds: dict[str, int] = {}
         self._rng = random.Random(self.config.seed)
@@ -146,7 +150,19 @@ class LLMEngine:
         config = config or EngineConfig()
         config.validate()
         model, tokenizer, name = load_model_and_tokenizer(path, config.device, tp_mesh, config.dtype, config.tokenizer)
-        return cls(model, tokenizer, config, model_name=model_name or name)
+        from meshtron.config.fields import ConfigError
+
+        draft_model = None
+        if config.speculative_method != "none" and tp_mesh is not None:
+            raise ConfigError("engine.speculative_method: speculative decoding runs on one device; serve without "
+                              "tensor parallelism or set speculative_method none")
+        if config.speculative_method == "draft" and config.speculative_model is not None:
+            draft_model, draft_tokenizer, _ = load_model_and_tokenizer(config.speculative_model, config.device, None,
+                                                                       config.dtype, config.tokenizer)
+            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+                raise ConfigError(f"engine.speculative_model: its tokenizer has {draft_tokenizer.vocab_size} tokens, "
+                                  f"the model's {tokenizer.vocab_size}; the draft must share the model's tokenizer")
+        return cls(model, tokenizer, config, model_name=model_name or name, draft_model=draft_model)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -229,7 +245,9 @@ class LLMEngine:
             # a row that could not be sampled (non-finite logits) fails alone, before its token is applied
             failed = [self._fail(req_id, token.error) for req_id, token in sampled.items() if token.error]
             changed = self.scheduler.update_from_output(sched, sampled)
-            return self._emit(failed + self._outputs(changed))
+            outputs = self._emit(failed + self._outputs(changed))
+            self.runner.propose_drafts(self.scheduler.requests, self.kv, self.config.max_model_len)
+            return outputs
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         now, outputs = time.monotonic(), []
@@ -242,11 +260,28 @@ class LLMEngine:
 
     def _output(self, request: Request, now: float) -> RequestOutput:
         detok = self._detokenizers[request.req_id]
-        if detok.update(request) and not request.is_finished:
-            self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+        if detok.update(request):
+            self._cut_at_stop_string(request, detok)
+            if not request.is_finished:
+                self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             return self._finish_output(request, now)
         return detok.output(request, now)
+
+    def _cut_at_stop_string(self, request: Request, detok: Detokenizer) -> None:
+        """Speculative decoding appends several tokens in one step: keep only those up to the one that
+        completed the stop string, as one token per step would have (the tokens after it are dropped)."""
+        ids = request.output_token_ids
+        for n in range(detok.num_sent_tokens + 1, len(ids)):
+            text = self.tokenizer.decode(ids[:n])
+            if any(stop in text for stop in detok.stop):
+                was_finished = request.is_finished
+                del ids[n:]
+                del request.log_probs[n:]
+                if was_finished:  # by a token now dropped: it stopped at the stop string instead
+                    request.status = request.check_stop(self.config.max_model_len) or RequestStatus.FINISHED_STOPPED
+                detok.update(request)
+                return
 
     def _finish_output(self, request: Request, now: Optional[float] = None, decode: bool = True) -> RequestOutput:
         detok = self._detokenizers.pop(request.req_id, None)
@@ -500,6 +535,11 @@ class LLMEngine:
         return self._suspended is not None
 
     def stats(self) -> dict:
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_free_blocks": self.kv.num_free_blocks, "num_blocks": self.config.num_blocks,
-                "num_steps": self.num_steps, "forwards": dict(self.runner.num_forwards)}
+        stats = {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                 "num_free_blocks": self.kv.num_free_blocks, "num_blocks": self.config.num_blocks,
+                 "num_steps": self.num_steps, "forwards": dict(self.runner.num_forwards)}
+        if self.runner.speculative is not None:  # totals since the engine started (per request: RequestOutput)
+            stats["speculative"] = {"method": self.config.speculative_method,
+                                    "num_speculative_tokens": self.config.num_speculative_tokens,
+                                    **self.runner.speculative.stats.as_dict()}
+        return stats

@@ -92,6 +92,15 @@ class KVCacheManager:
             self.pool.cache(block_ids[i], hashes[i])
         self._num_registered[request.req_id] = num_full
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens (speculative decoding: the slots of
+        rejected drafts). Trailing blocks are never full of computed tokens, so never cached."""
+        block_ids = self.req_block_ids.get(req_id, [])
+        keep = -(-num_tokens // self.block_size)
+        if len(block_ids) > keep:
+            self.pool.free(reversed(block_ids[keep:]))
+            self.req_block_ids[req_id] = block_ids[:keep]
+
     def free(self, request: Request, finished: bool = True) -> None:
         """Return the request's blocks (last first). A preempted request keeps its hashes for later."""
         block_ids = self.req_block_ids.pop(request.req_id, [])

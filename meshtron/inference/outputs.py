@@ -35,10 +35,25 @@ class RequestOutput:
     finish_time: Optional[float] = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
     prompt_log_probs: Optional[list[Optional[TokenLogProbs]]] = None
+    # speculative decoding (engine.speculative_method): drafts verified, drafts accepted, and the model
+    # forwards that gave this request tokens; all 0 without it
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_sampling_steps: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """Accepted / verified drafts (None without drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def tokens_per_step(self) -> Optional[float]:
+        """Output tokens per model forward of this request: the speed-up over one token per forward."""
+        return len(self.token_ids) / self.num_sampling_steps if self.num_sampling_steps else None
 
 
 class Detokenizer:
@@ -90,7 +105,9 @@ class Detokenizer:
             prompt_log_probs=([None, *request.prompt_log_probs]
                               if request.sampling_params.prompt_logprobs is not None else None),
             events=list(request.events) if finished else [], arrival_time=request.arrival_time,
-            first_token_time=self.first_token_time, finish_time=now if finished else None)
+            first_token_time=self.first_token_time, finish_time=now if finished else None,
+            num_draft_tokens=request.num_draft_tokens, num_accepted_tokens=request.num_accepted_tokens,
+            num_sampling_steps=request.num_sampling_steps)
         self.num_sent_chars, self.num_sent_tokens = len(text), request.num_output_tokens
         self.num_sent_log_probs = len(request.log_probs)
         return out

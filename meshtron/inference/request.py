@@ -201,6 +201,11 @@ class Request:
     events: list[RequestEvent] = field(default_factory=list)
     error: Optional[str] = None
     prompt_log_probs: list[TokenLogProbs] = field(default_factory=list)  # prompt positions 1, 2, ... so far
+    # speculative decoding: drafts for the positions after the last token (verified next step), and counts
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts the target verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_sampling_steps: int = 0  # target forwards that gave this request tokens
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -22,6 +22,7 @@ from meshtron.inference.paged_context import PagedBatch, PagedKVCache, build_pag
 from meshtron.inference.request import Request, SamplingParams, TokenLogProbs
 from meshtron.inference.sampler import sample_rows
 from meshtron.inference.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from meshtron.inference.speculative import build_speculative
 from meshtron.inference.varlen_context import build_varlen_batch
 
 
@@ -84,7 +85,8 @@ def choose_layout(chunks: list[ScheduledChunk], weights: tuple[float, float, flo
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: EngineConfig, device: torch.device):
+    def __init__(self, model: nn.Module, cfg: EngineConfig, device: torch.device,
+                 draft_model: Optional[nn.Module] = None):
         self.model = model.eval()
         self.cfg, self.device = cfg, device
         self.cache = PagedKVCache(cfg.num_blocks, cfg.block_size, device)
@@ -104,6 +106,8 @@ class ModelRunner:
             from meshtron.inference.cuda_graphs import CudaGraphRunner
 
             self.graphs = CudaGraphRunner.create(self.model, self.cache, cfg)
+        # engine.speculative_method: verifies drafts in execute() and proposes the next ones (speculative.py)
+        self.speculative = build_speculative(self, model, cfg, device, draft_model)
 
     def add_request(self, request: Request, seed: int, generator_state: Optional[torch.Tensor] = None) -> None:
         generator = torch.Generator(device=self.device)
@@ -121,12 +125,22 @@ class ModelRunner:
         self.generators.pop(req_id, None)
         self.params.pop(req_id, None)
         self.requests.pop(req_id, None)
+        if self.speculative is not None:
+            self.speculative.forget(req_id)
+
+    @torch.inference_mode()
+    def propose_drafts(self, requests: dict[str, Request], kv, max_model_len: int) -> None:
+        """Speculative decoding, after the step's tokens were applied: draft the next tokens."""
+        if self.speculative is not None:
+            self.speculative.propose(requests, kv, max_model_len)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """One forward over the step's chunks; sample the requests whose chunk ends their tokens."""
         if out.is_empty:
             return {}
+        if self.speculative is not None:
+            return self.speculative.execute(out)
         logits, req_ids = self._forward(out.chunks)
         if not req_ids:
             return {}
@@ -198,6 +212,8 @@ class ModelRunner:
     def release(self) -> None:
         """Free the cache tensors, captured graphs and generators (suspend)."""
         self.cache.release()
+        if self.speculative is not None:
+            self.speculative.release()
         if self.states is not None:
             self.states.release()
         if self.graphs is not None:

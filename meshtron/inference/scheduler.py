@@ -31,6 +31,7 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the request's last token, so its next token is sampled
     state_slot: int = -1  # the request's Mamba state slot (models with Mamba layers), else -1
+    num_draft_tokens: int = 0  # speculative decoding: the last this many tokens are drafts to verify
 
 
 @dataclass
@@ -56,6 +57,21 @@ class SampledToken:
     token_id: int
     log_probs: Optional[TokenLogProbs] = None
     error: Optional[str] = None  # the row could not be sampled: its request fails alone, nothing is appended
+    # speculative decoding: the drafts accepted before token_id (appended first) and their log probs
+    accepted_draft_ids: list[int] = field(default_factory=list)
+    accepted_log_probs: list[Optional[TokenLogProbs]] = field(default_factory=list)
+
+
+def _num_new(request: Request, num_computed: int, budget: int) -> int:
+    """Tokens to compute this step: all that remain, drafts included, when the budget holds them; else a
+    budget-sized chunk that, for a request with drafts, stops before its last token (the drafts are
+    verified in the same chunk as that token, never split off: 0 means nothing fits this step)."""
+    remaining = request.num_tokens + len(request.spec_token_ids) - num_computed
+    if remaining <= budget:
+        return remaining
+    if request.spec_token_ids:
+        return min(budget, request.num_tokens - 1 - num_computed)
+    return budget
 
 
 def _max_cached(request: Request) -> Optional[int]:
@@ -95,7 +111,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = _num_new(request, request.num_computed_tokens, budget)
+            if num_new <= 0:  # its drafts do not fit the budget left: verified next step
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the latest arrival; always after `request` or `request` itself
                 self._preempt(victim)
@@ -111,11 +130,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
             hit_ids, num_hit = self.kv.get_computed_blocks(request, _max_cached(request))
-            num_new = request.num_tokens - num_hit
+            num_new = request.num_tokens + len(request.spec_token_ids) - num_hit
             if num_new > budget:
                 if not self.cfg.enable_chunked_prefill:
                     return
-                num_new = budget
+                num_new = _num_new(request, num_hit, budget)
+                if num_new <= 0:
+                    return
             if self.state_slots is not None and self.state_slots.num_free == 0:
                 return
             if not self.kv.allocate_slots(request, num_new, hit_ids):
@@ -133,11 +154,12 @@ class Scheduler:
             budget -= num_new
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        tokens = [request.token_at(j) for j in range(start, start + num_new)]
+        start, n = request.num_computed_tokens, request.num_tokens
+        tokens = [request.token_at(j) if j < n else request.spec_token_ids[j - n] for j in range(start, start + num_new)]
         slot = self.state_slots.slot_of[request.req_id] if self.state_slots is not None else -1
+        num_drafts = max(0, start + num_new - n)  # all of them or none (`_num_new`)
         return ScheduledChunk(request.req_id, tokens, start, list(self.kv.block_ids(request.req_id)),
-                              samples=start + num_new == request.num_tokens, state_slot=slot)
+                              samples=start + num_new == n + num_drafts, state_slot=slot, num_draft_tokens=num_drafts)
 
     def _release_state(self, request: Request) -> None:
         if self.state_slots is not None:
@@ -162,23 +184,44 @@ class Scheduler:
             request = self.requests.get(chunk.req_id)
             if request is None or request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_blocks(request)
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
             if not chunk.samples:
+                self.kv.cache_blocks(request)
                 continue
+            request.spec_token_ids = []  # verified now (or never, for a failed row)
             if request.sampling_params.max_tokens == 0:  # scoring only: the prompt's log probs are all it wanted
+                self.kv.cache_blocks(request)
                 self.finish_request(request.req_id, RequestStatus.FINISHED_LENGTH)
                 changed.append(request)
                 continue
             token = sampled[chunk.req_id]
-            request.output_token_ids.append(token.token_id)
-            if token.log_probs is not None:
-                request.log_probs.append(token.log_probs)
-            status = request.check_stop(self.cfg.max_model_len)
+            status = self._append(request, chunk, token)
+            self.kv.cache_blocks(request)
             if status is not None:
                 self.finish_request(request.req_id, status)
+            elif chunk.num_draft_tokens:  # the rejected drafts' slots go back (the next drafts allocate anew)
+                self.kv.trim(request.req_id, request.num_tokens)
             changed.append(request)
         return changed
+
+    def _append(self, request: Request, chunk: ScheduledChunk, token: SampledToken) -> Optional[RequestStatus]:
+        """Append the accepted drafts, then the sampled token, stopping at the first that finishes the
+        request; -> the finished status or None."""
+        emitted = [*zip(token.accepted_draft_ids, token.accepted_log_probs), (token.token_id, token.log_probs)]
+        request.num_sampling_steps += 1
+        request.num_draft_tokens += chunk.num_draft_tokens
+        request.num_accepted_tokens += len(token.accepted_draft_ids)
+        status = None
+        for j, (token_id, log_probs) in enumerate(emitted):
+            if j:  # the token before this one was an accepted draft: its keys/values are computed
+                request.num_computed_tokens += 1
+            request.output_token_ids.append(token_id)
+            if log_probs is not None:
+                request.log_probs.append(log_probs)
+            status = request.check_stop(self.cfg.max_model_len)
+            if status is not None:
+                break
+        return status
 
     def finish_request(self, req_id: str, status: RequestStatus) -> Optional[Request]:
         """Finish (stop, length, abort, fail) a request wherever it is and free its blocks."""
