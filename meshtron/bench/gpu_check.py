@@ -512,7 +512,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshtron.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m meshtron.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="default: cuda when available, else print that there is nothing to check and exit 0")
     parser.add_argument("--only", default=None, help=f"comma-separated subset of: {', '.join(CHECKS)}")

@@ -40,7 +40,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="benchmarks/hostile_load.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="benchmarks/hostile_load.py", description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=8, help="well-behaved clients (each one request at a time)")
     p.add_argument("--requests", type=int, default=40, help="requests of each good client per phase")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens of each good request (greedy, eos ignored)")

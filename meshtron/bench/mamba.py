@@ -40,7 +40,7 @@ VOCAB = 262  # the byte tokenizer's vocabulary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtron bench mamba", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="meshtron bench mamba", description=__doc__.split("\n\n")[0])
 
     def lengths(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]

@@ -40,7 +40,7 @@ DISPATCHERS: dict[str, Callable[[], Any]] = {"local": LocalDispatcher}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="benchmarks/moe.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="benchmarks/moe.py", description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--expert-ffn", type=int, default=1024, help="inner width of each expert")
     p.add_argument("--num-experts", type=int, default=8)

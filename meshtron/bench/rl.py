@@ -139,7 +139,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/rl.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="benchmarks/rl.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/grpo-countdown-tiny.yaml", help="RL recipe to measure")
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps (the first is not counted unless it is the only one)")
     parser.add_argument("--warmup-steps", type=int, default=60, help="supervised warm-up steps before measuring")

@@ -319,7 +319,7 @@ def print_decode(rows: list[dict[str, Any]], args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="benchmarks/serve.py", description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="serve", choices=["serve", "decode"],
                    help="serve: this throughput benchmark; decode: batch-1 decode against the memory-bandwidth limit "
                         "and torch's GEMV ceiling, with its own options (--mode decode --help)")
@@ -475,7 +475,7 @@ def summarize_ratios(results, notes, tokens, args, pairs: list[dict[str, Any]]) 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    mode = argparse.ArgumentParser(add_help=False)
+    mode = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     mode.add_argument("--mode", default="serve", choices=["serve", "decode"])
     if mode.parse_known_args(argv)[0].mode == "decode":  # its own options (serve_decode.build_parser)
         from meshtron.bench.serve_decode import main as decode_main

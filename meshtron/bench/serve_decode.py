@@ -50,7 +50,7 @@ SYSTEMS = ("fp32", "int8", "speculative", "transformers")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="benchmarks/serve.py --mode decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="benchmarks/serve.py --mode decode", description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="decode", choices=["decode"], help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden-size", type=int, default=768)

@@ -168,7 +168,7 @@ MODES = {"pp": mode_pp, "dp": mode_dp}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve_parallel", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="serve_parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="pp", help="which layout to measure (default pp)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step of the pipeline (0: 1); "

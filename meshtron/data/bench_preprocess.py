@@ -118,7 +118,7 @@ def prepare(work: Path, tokenizer: str | None, vocab_size: int, max_documents: i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preprocess_throughput", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="preprocess_throughput", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="workers / Rust threads (default: all cores)")
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; the best is kept (default 3)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (default: train a BPE on the corpus)")

@@ -437,7 +437,7 @@ class CoordinatorClient:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshtron.inference.coordinator",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m meshtron.inference.coordinator",
                                      description="Run a data-parallel coordinator (ZMQ ROUTER) until interrupted.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port; default: a free one (printed)")

@@ -316,7 +316,7 @@ def place_worker(local_index: Optional[int], device: str) -> Optional[int]:
 def main(argv: Optional[list[str]] = None) -> int:
     from meshtron.inference.config import add_engine_arguments, engine_config_from_args
 
-    parser = argparse.ArgumentParser(prog="python -m meshtron.inference.coordinator_worker",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m meshtron.inference.coordinator_worker",
                                      description="Serve a checkpoint's engine behind a data-parallel coordinator.")
     parser.add_argument("--address", required=True, help="the coordinator's address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory (a step dir or its parent)")
