@@ -239,3 +239,34 @@ def test_metrics_count_drafts_and_acceptance():
     assert f"meshtron_spec_accepted_tokens_total {float(out.num_draft_tokens)}" in text  # all accepted
     assert out.num_sampling_steps == 1 + -(-(7 - 1) // 3)
     assert "meshtron_spec_tokens_per_step_count 1.0" in text
+
+
+def test_suspend_resume_keeps_the_outputs():
+    """Suspend mid-run (caches freed, drafts kept with their requests), resume: the same tokens as an
+    uninterrupted speculative run, seeded sampling included."""
+    prompts, max_tokens = workload(4, max_output=12)
+    params = greedy_params(max_tokens)
+    params[0] = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    expected = spec_engine(MODEL, "draft", DRAFTS["near"]).generate(prompts, params)
+    eng = spec_engine(MODEL, "draft", DRAFTS["near"])
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finished = {}
+    for _ in range(4):
+        finished.update({o.req_id: o for o in eng.step() if o.finished})
+    eng.suspend()
+    assert eng.runner.speculative.drafter.cache.num_bytes == 0
+    eng.resume()
+    while eng.has_unfinished_requests():
+        finished.update({o.req_id: o for o in eng.step() if o.finished})
+    assert [finished[i].token_ids for i in ids] == [o.token_ids for o in expected]
+
+
+def test_draft_model_from_its_checkpoint(tmp_path):
+    from tests.inference.helpers import save_tiny_checkpoint
+
+    target = save_tiny_checkpoint(tmp_path / "target")
+    cfg = EngineConfig(speculative_method="draft", speculative_model=target, num_speculative_tokens=2)
+    engine = LLMEngine.from_checkpoint(target, cfg)
+    out = engine.generate([[7, 8, 9]], [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)])[0]
+    assert out.token_ids == reference_greedy(engine.runner.model, [7, 8, 9], 9)
+    assert out.acceptance_rate == 1.0  # the draft is the same checkpoint
