@@ -25,8 +25,10 @@ $(DATA)/stdlib.idx: $(DATA)/tokenizer/tokenizer.json
 	$(PY) -m meshtron preprocess --input $(DATA)/stdlib.jsonl --json-key text --tokenizer $(DATA)/tokenizer \
 		--output-prefix $(DATA)/stdlib --workers 2 --append-eod --no-progress
 
+# --checkpoint.load auto: a second `make run` resumes runs/tiny (already finished: it only generates)
+# instead of being refused for training into a run directory that holds a run.
 run: $(STAMP) $(DATA)/stdlib.idx
-	$(PY) -m meshtron train --config configs/tiny.yaml
+	$(PY) -m meshtron train --config configs/tiny.yaml --checkpoint.load auto
 	$(PY) -m meshtron generate --checkpoint runs/tiny/checkpoints --prompt "def " --max-new-tokens 120 --temperature 0.8 --top-k 40 --seed 0
 
 test: $(STAMP)

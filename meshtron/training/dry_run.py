@@ -125,8 +125,10 @@ def dry_run(cfg: RunConfig, command: str, world_size: Optional[int] = None) -> l
     vocab = vocab_size(cfg)
     rows = estimate_memory(cfg, world)
     peak = max(r["total_bytes"] for r in rows)
-    lines.append(f"model: {count_parameters(cfg.model, vocab) / 1e9:.3f}B parameters, vocab {vocab}, "
-                 f"{cfg.train.train_iters} steps, {cfg.train.precision}")
+    n = count_parameters(cfg.model, vocab)
+    size = f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    lines.append(f"model: {size} parameters, vocab {vocab}, {cfg.train.train_iters} steps, "
+                 f"precision {cfg.train.precision}")
     per_stage = ", ".join(f"stage {r['stage']} {r['total_bytes'] / GIB:.2f}" for r in rows) if len(rows) > 1 else ""
     budget, device = device_memory()
     memory = f"memory per rank (meshtron plan): {peak / GIB:.2f} GiB" + (f" ({per_stage} GiB)" if per_stage else "")
