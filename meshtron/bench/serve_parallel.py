@@ -136,25 +136,28 @@ def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
     # (name, steps in flight, micro-batches per step)
     variants = [(f"pp{args.pp}", args.pp, args.micro_batches or 1), (f"pp{args.pp} sync", 1, 1),
                 (f"pp{args.pp} sync m={args.pp}", 1, args.pp)]
-    walls: dict[str, list[float]] = {"single": [], **{name: [] for name, _, _ in variants}}
+    singles = args.single_threads or [args.pp * args.threads]
+    walls: dict[str, list[float]] = {**{f"single {t} thr": [] for t in singles}, **{name: [] for name, _, _ in variants}}
     reference, agree = None, True
     for _ in range(args.repeats):
-        wall, out = run_single(spec, prompts, outputs, args.pp * args.threads)
-        walls["single"].append(wall)
-        reference = reference or out
+        for t in singles:
+            wall, out = run_single(spec, prompts, outputs, t)
+            walls[f"single {t} thr"].append(wall)
+            agree = agree and (reference is None or out == reference)
+            reference = reference or out
         for name, depth, m in variants:
             wall, out = run_pipeline(spec, prompts, outputs, args.pp, args.threads, m, depth)
             walls[name].append(wall)
             agree = agree and out == reference
     rows = []
-    single = statistics.median(walls["single"])
+    single = statistics.median(walls[f"single {singles[0]} thr"])
     for name, w in walls.items():
         wall = statistics.median(w)
         rows.append({"system": name, "wall_s": round(wall, 3), "output_tokens_per_s": round(tokens / wall, 1),
                      "vs_single": round(single / wall, 3), "walls": [round(x, 3) for x in w]})
     return {"mode": "pp", "rows": rows, "same_tokens": agree, "output_tokens": tokens,
-            "note": f"{args.pp} stages x {args.threads} thread(s) against one process with {args.pp * args.threads} "
-                    f"threads; pp{args.pp}: {args.pp} steps in flight; sync: one step through the stages at a time "
+            "note": f"{args.pp} stages x {args.threads} thread(s) against one process with {singles[0]} thread(s); "
+                    f"pp{args.pp}: {args.pp} steps in flight; sync: one step through the stages at a time "
                     f"(m: micro-batches per step)"}
 
 
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas (--mode dp; default 2)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads per stage or replica process (default 1)")
+    p.add_argument("--single-threads", type=int, nargs="+", default=None, metavar="T",
+                   help="--mode pp: threads of the one-process runs, the first the reference of the ratios "
+                        "(default: pp x threads, equal total threads)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
@@ -192,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'system':<16} {'wall s':>8} {'out tok/s':>10} {'vs single':>10}")
+    print(f"{'system':<18} {'wall s':>8} {'out tok/s':>10} {'vs single':>10}")
     for r in result["rows"]:
-        print(f"{r['system']:<16} {r['wall_s']:>8.3f} {r['output_tokens_per_s']:>10.1f} {r['vs_single']:>10.3f}")
+        print(f"{r['system']:<18} {r['wall_s']:>8.3f} {r['output_tokens_per_s']:>10.1f} {r['vs_single']:>10.3f}")
     print(result["note"])
     if "same_tokens" in result:
         print("same tokens as the single process:", "yes" if result["same_tokens"] else "NO")
