@@ -41,6 +41,8 @@ Command-line conventions (every `meshtron` command):
 - `meshtron COMMAND --help` lists a command's flags and the field names of its sections;
   `--help-all` adds each field's type, default and help. `meshtron --version` prints the version;
   `meshtron completion bash|zsh|tcsh` prints a shell completion script (extra `completion`).
+- from Python, `meshtron.config.load_config(path, overrides, command="train")` takes the same
+  `{"section.field": value}` overrides, as text (`"100"`) or typed values (`100`, `True`, `["a", "b"]`).
 """
 
 

@@ -45,7 +45,8 @@ def fields_of(section: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command", ["train", "rl", "distill"])
-def test_help_lists_only_the_sections_the_command_reads(command, capsys):
+def test_help_lists_only_the_sections_the_command_reads(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps at the terminal's width
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
