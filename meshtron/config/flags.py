@@ -101,7 +101,7 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", Formatter)
         super().__init__(*args, **kwargs)
         self.config_groups: list[argparse._ArgumentGroup] = []  # --section.field groups, listed by --help-all
-        self.config_summary: list[tuple[str, str, list[str]]] = []  # (section, intro, field names) for --help
+        self.config_summary: list[tuple[str, list[str]]] = []  # (section, its field names) for --help
         self.config_command: Optional[str] = None  # the command whose sections these are (e.g. "train")
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -126,7 +126,7 @@ class OneLineParser(argparse.ArgumentParser):
         if flag is None:
             return given
         section = flag[2:].split(".", 1)[0] if "." in flag else None
-        if self.config_command and section and section not in {s for s, _, _ in self.config_summary}:
+        if self.config_command and section and section not in {s for s, _ in self.config_summary}:
             users = commands_using(section)
             if users:
                 return (f"{flag}: meshtron {self.config_command} does not use the {section} section; "
@@ -141,7 +141,7 @@ class OneLineParser(argparse.ArgumentParser):
 
         if self.config_command is None:
             return ""
-        own = {s for s, _, _ in self.config_summary}
+        own = {s for s, _ in self.config_summary}
         others = [s for sections in COMMAND_SECTIONS.values() for s in sections if s not in own]
         users = {s: " and ".join(f"meshtron {c}" for c in commands_using(s)) for s in dict.fromkeys(others)}
         by_user: dict[str, list[str]] = {}
@@ -196,8 +196,8 @@ class OneLineParser(argparse.ArgumentParser):
         if self.config_summary and not full:
             formatter.start_section("config sections (--help-all: every field's type, default and help)")
             formatter.add_text("Each field is a flag --SECTION.FIELD VALUE and a key of the --config YAML file.")
-            for name, intro, fields in self.config_summary:
-                formatter.add_text(f"{name}: {intro + ' ' if intro else ''}{', '.join(fields)}")
+            for name, fields in self.config_summary:
+                formatter.add_text(f"{name}: {', '.join(fields)}")
             formatter.add_text(self.foreign_sections())
             formatter.end_section()
         formatter.add_text(self.epilog)

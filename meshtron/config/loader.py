@@ -218,7 +218,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Optional[Ite
                                    metavar="V", help=help_text)
         if one_line:
             parser.config_groups.append(group)
-            parser.config_summary.append((section, "", [f.name for f in dataclasses.fields(cls)]))
+            parser.config_summary.append((section, [f.name for f in dataclasses.fields(cls)]))
     if one_line:
         parser.config_command = command
         parser.add_help_all()
