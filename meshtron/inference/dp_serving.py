@@ -2,7 +2,8 @@
 
     meshtron serve --checkpoint C --dp 2                      # 2 replica processes + the HTTP front
     meshtron serve --checkpoint C --dp 0 --coordinator-port 5555   # a front; replicas register later:
-    meshtron serve --checkpoint C --coordinator tcp://HOST:5555     # one replica (under torchrun: a TP one)
+    meshtron serve --checkpoint C --coordinator tcp://HOST:5555     # one replica (under torchrun: TP, or PP
+                                                                    # with --pp; any engine the worker can step)
 
 The front process runs the HTTP server, the coordinator (a thread) and `dp_front.ReplicaFront`; with
 `--dp N` it also starts N replica processes (`meshtron serve --coordinator`, each with its share of
@@ -73,9 +74,9 @@ def check_dp_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--dp: {args.dp} is not allowed; give the number of replicas (>= 0)")
     if args.dp == 0 and args.coordinator is None and args.coordinator_port is None:
         raise ConfigError("--dp: 0 starts no replica; give --coordinator-port so replicas can register, or --dp N")
-    if getattr(args, "pp", 1) > 1:
-        raise ConfigError("--pp: pipeline-parallel replicas cannot join data-parallel serving yet; serve --pp "
-                          "without --dp / --coordinator / --coordinator-port")
+    if args.coordinator is None and (args.pp > 1 or args.tp is not None):
+        raise ConfigError("--pp/--tp: the front of data-parallel replicas runs no model; start pipeline- or "
+                          "tensor-parallel replicas under torchrun with --coordinator ADDR (docs/serving.md)")
     if args.replica_threads is not None and args.replica_threads < 1:
         raise ConfigError(f"--replica-threads: {args.replica_threads} is not allowed; must be >= 1")
     if args.affinity_margin < 0:
@@ -95,7 +96,8 @@ def serve_replicas(args: argparse.Namespace, engine_cfg: EngineConfig, server_op
 # ---- one replica ------------------------------------------------------------------------------------
 
 def run_replica(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
-    """Register an engine (tensor parallel under torchrun) with the coordinator; serve until STOP."""
+    """Register an engine with the coordinator and serve until STOP: under torchrun a tensor-parallel
+    one, or with --pp a pipeline of --pp stages (of --tp ranks each)."""
     import torch
 
     from meshtron.inference.coordinator_worker import EngineHandler, EngineWorker
@@ -112,6 +114,11 @@ def run_replica(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
         EngineWorker(args.coordinator, EngineHandler(factory()), name).run()
         return 0
 
+    if args.pp > 1:
+        from meshtron.inference.pipeline_engine import run_pipeline_parallel
+
+        return run_pipeline_parallel(args.checkpoint, engine_cfg, work, pp=args.pp, tp=args.tp,
+                                     model_name=args.model_name)
     if world_from_env()[2] > 1:
         from meshtron.inference.tp_serving import run_tensor_parallel
 

@@ -533,8 +533,20 @@ def serve_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, *, pp: in
                             **server_options) -> int:
     """Under torchrun: pp stages of tp ranks each (pp x tp = the number of processes; tp None: the rest),
     served from the pipeline's leader (tp rank 0 of the last stage: global rank (pp - 1) x tp)."""
-    from meshtron.inference.pipeline_args import parallel_degrees
     from meshtron.inference.server import serve
+
+    def run(factory) -> int:
+        return serve(factory, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level, **server_options)
+
+    return run_pipeline_parallel(checkpoint, engine_cfg, run, pp=pp, tp=tp, model_name=model_name, timeout_s=timeout_s)
+
+
+def run_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, lead_with, *, pp: int, tp: Optional[int],
+                          model_name=None, timeout_s: float = 600.0) -> int:
+    """Under torchrun: the pipeline of `serve_pipeline_parallel`; its leader calls `lead_with(factory)`
+    (factory: the leading engine; an HTTP server, or a data-parallel replica's worker) and returns what
+    it returns, the other processes follow until it stops."""
+    from meshtron.inference.pipeline_args import parallel_degrees
     from meshtron.inference.tp_serving import Leader, lead
     from meshtron.parallel.dims import ParallelDims
     from meshtron.parallel.distributed import init_distributed, world_from_env
@@ -558,8 +570,7 @@ def serve_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, *, pp: in
         log.info("pipeline-parallel serving: %d stages x %d tensor-parallel ranks; this rank (%d) leads",
                  pp, tp, dist.get_rank())
         try:
-            return serve(lambda: engine, host, port, drain_timeout_s=drain_timeout_s, log_level=log_level,
-                         **server_options)
+            return lead_with(lambda: engine)
         finally:
             leader("stop")  # release the followers even if the server never came up
     finally:

@@ -414,13 +414,15 @@ def test_bad_dp_flags_are_refused_in_one_line():
     assert refused("--dp", "2", "--replica-threads", "0").startswith("--replica-threads: 0")
     assert refused("--dp", "2", "--affinity-margin", "-5").startswith("--affinity-margin: -5.0")
     assert refused("--dp", "2", "--heartbeat-timeout", "0").startswith("--heartbeat-timeout: 0.0")
-    assert refused("--dp", "2", "--pp", "2").startswith("--pp: pipeline-parallel replicas")
+    assert refused("--dp", "2", "--pp", "2").startswith("--pp/--tp: the front of data-parallel replicas runs no model")
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_replica_registers_and_answers(tmp_path):
-    """`torchrun --nproc-per-node 2 -m meshtron serve --coordinator ADDR`: the TP group registers as one
-    replica (its rank 0) and answers through the front as the single-process engine does."""
+@pytest.mark.parametrize("layout", [[], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_a_parallel_replica_registers_and_answers(tmp_path, layout):
+    """`torchrun --nproc-per-node 2 -m meshtron serve --coordinator ADDR [--pp 2]`: the TP group (or the
+    2-stage pipeline) registers as one replica (its leader) and answers through the front as the
+    single-process engine does."""
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
     from meshtron.inference.request import SamplingParams
@@ -433,7 +435,8 @@ def test_a_tensor_parallel_replica_registers_and_answers(tmp_path):
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                              str(free_port()), "-m", "meshtron", "serve", "--checkpoint", ckpt, "--coordinator",
-                             coordinator.address, "--replica-name", "tp2", "--num-blocks", "64", "--device", "cpu"],
+                             coordinator.address, "--replica-name", "tp2", "--num-blocks", "64", "--device", "cpu",
+                             *layout],
                             cwd=ROOT, env=env)
     prompts = ["tensor", "parallel replica", "x"]
     try:
