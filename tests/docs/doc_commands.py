@@ -91,8 +91,8 @@ class DocBlock:
 
 
 def doc_files() -> list[Path]:
-    """README.md, then every page under docs/ (new pages are picked up by themselves)."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """README.md, every page under docs/, then the READMEs of examples/ (new pages are picked up by themselves)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").rglob("README.md"))]
 
 
 def blocks(path: Path) -> list[DocBlock]:

@@ -144,8 +144,9 @@ def check_command(cmd) -> str:
     if verb == "train" and namespace is not None:
         from meshtron.config.loader import load_config, overrides_from_args
 
+        world = getattr(namespace, "world_size", None) or 1   # a --dry-run checks the layout for --world-size
         try:
-            load_config(ROOT / config if config else None, overrides_from_args(namespace), world_size=1)
+            load_config(ROOT / config if config else None, overrides_from_args(namespace), world_size=world)
         except ValueError as e:
             return f"config does not validate: {e}"
     return ""
@@ -216,7 +217,7 @@ def meshtron(sandbox: Path, tail: list[str]) -> subprocess.CompletedProcess:
 def sandbox(tmp_path_factory) -> Path:
     """A working directory in the state `make run` leaves (tiny): runs/data and runs/tiny/checkpoints."""
     box = tmp_path_factory.mktemp("docs")
-    for name in ("configs", "benchmarks"):
+    for name in ("configs", "benchmarks", "examples"):
         (box / name).symlink_to(ROOT / name)
     steps = [["corpus", "stdlib", "--output", "runs/data/stdlib.jsonl"],
              ["tokenizer", "train", "--input", "runs/data/stdlib.jsonl", "--vocab-size", "4096",
