@@ -195,7 +195,8 @@ class OneLineParser(argparse.ArgumentParser):
             formatter.end_section()
         if self.config_summary and not full:
             formatter.start_section("config sections (--help-all: every field's type, default and help)")
-            formatter.add_text("Each field is a flag --SECTION.FIELD VALUE and a key of the --config YAML file.")
+            formatter.add_text("Each field is a flag --SECTION.FIELD VALUE (kebab-case or snake_case; a boolean is "
+                               "--SECTION.FIELD or --SECTION.no_FIELD) and a key of the --config YAML file.")
             for name, fields in self.config_summary:
                 formatter.add_text(f"{name}: {', '.join(fields)}")
             formatter.add_text(self.foreign_sections())
