@@ -45,16 +45,17 @@ def add_dp_arguments(parser: argparse.ArgumentParser) -> None:
                             "themselves, with --coordinator-port)")
     group.add_argument("--replica-threads", type=int, default=None, metavar="T",
                        help="CPU threads of each replica (default: this process's torch threads divided by --dp)")
-    group.add_argument("--coordinator-host", default="127.0.0.1",
+    group.add_argument("--coordinator-host", default="127.0.0.1", metavar="HOST",
                        help="address the coordinator binds (default 127.0.0.1; 0.0.0.0 lets other hosts' "
                             "replicas register)")
-    group.add_argument("--coordinator-port", type=int, default=None,
+    group.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
                        help="port the coordinator binds (default: a free one, logged); replicas started "
                             "elsewhere register there")
     group.add_argument("--coordinator", default=None, metavar="ADDR",
                        help="run one engine replica (no HTTP) registered with the coordinator at ADDR, e.g. "
-                            "tcp://10.0.0.1:5555; under torchrun a tensor-parallel one")
-    group.add_argument("--replica-name", default=None, help="this replica's name in /metrics (default replica-PID)")
+                            "tcp://10.0.0.1:5555; under torchrun a tensor-parallel one, with --pp a pipeline")
+    group.add_argument("--replica-name", default=None, metavar="NAME",
+                       help="with --coordinator: this replica's name in /metrics (default replica-HOST-PID)")
     group.add_argument("--affinity-margin", type=float, default=512, metavar="TOKENS",
                        help="a replica that served a prompt's first blocks gets it while its outstanding tokens "
                             "are within this many of the least loaded replica's (default 512)")
