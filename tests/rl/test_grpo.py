@@ -110,7 +110,7 @@ def test_rl_command_and_config_errors(tmp_path, capsys):
     assert (tmp_path / "r" / "reward_curve.csv").is_file()
     assert main(["rl", *overrides, "--rl.group_size=1"]) == 2
     assert "rl.group_size: 1 is not allowed; must be >= 2" in capsys.readouterr().err
-    assert main(["rl", *overrides, "--parallel.ep=2"]) == 2
+    assert main(["rl", *overrides, "--parallel.ep=2", f"--train.run_dir={tmp_path / 'ep'}"]) == 2
     # expert parallelism is a layout of the trainer now: refused here only because one process has no ranks to borrow
     assert "parallel.ep: 2 must divide dp_shard*cp = 1" in capsys.readouterr().err
     from meshtron.rl.environments import build_environment
