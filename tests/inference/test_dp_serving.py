@@ -347,7 +347,7 @@ def replica_pids(front_pid: int) -> list[int]:
 def test_serve_dp_survives_a_killed_replica(tmp_path):
     """`meshtron serve --dp 2`: SIGKILL one replica process while it holds requests; every client still
     gets the answer of one engine, /health counts 1 replica, the survivor served the re-sent requests,
-    and SIGTERM drains and stops the survivor (exit 0)."""
+    and SIGTERM mid-request drains (the request finishes) and stops the survivor (exit 0)."""
     from meshtron.inference.config import EngineConfig
     from meshtron.inference.engine import LLMEngine
     from meshtron.inference.request import SamplingParams
@@ -389,7 +389,20 @@ def test_serve_dp_survives_a_killed_replica(tmp_path):
             prompts, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
         assert [a["choices"][0]["text"] for a in answers] == [o.text for o in local]
         assert served > 6  # its own share and the killed replica's unfinished ones
-        front.send_signal(signal.SIGTERM)
+
+        async def drained():
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                body = {"prompt": prompts[0], "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as s:
+                    lines = s.aiter_lines()
+                    got = [line async for line in _until_data(lines)]
+                    front.send_signal(signal.SIGTERM)  # in flight: the drain lets it finish
+                    got += [line async for line in lines if line.startswith("data:")]
+            return got
+
+        streamed = asyncio.run(drained())
+        assert streamed[-1] == "data: [DONE]"
+        assert "".join(json.loads(line[5:])["choices"][0]["text"] for line in streamed[:-1]) == local[0].text
         assert front.wait(timeout=120) == 0
         wait_until(lambda: not Path(f"/proc/{pids[1]}").exists() or
                    Path(f"/proc/{pids[1]}/stat").read_text().split()[2] == "Z", "the survivor to exit", 60)
