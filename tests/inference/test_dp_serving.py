@@ -292,7 +292,7 @@ def test_a_dead_replicas_requests_are_resent_and_health_counts_it_out():
         seed = random.Random(0).getrandbits(63)
         alone = [answer(url, "/v1/completions", {"prompt": prompts[0], **sampled, "seed": seed})["choices"][0]["text"]]
         alone += [answer(url, "/v1/completions", {"prompt": p, **greedy})["choices"][0]["text"] for p in prompts[1:]]
-    with replicas(step_s=0.02, heartbeat_timeout_s=1.0) as (url, front, coordinator, handlers):
+    with replicas(step_s=0.02, heartbeat_timeout_s=2.0) as (url, front, coordinator, handlers):
         assert httpx.get(url + "/health").json()["replicas"] == 2
 
         async def main():
