@@ -113,6 +113,27 @@ def test_coordinator_places_by_outstanding_tokens():
         coordinator.close()
 
 
+def test_a_worker_dropped_as_silent_registers_again():
+    """Worker a spends 2.5 s on a request (no heartbeat), past the 1 s timeout: it is dropped and the
+    request is answered by b; a's late answer is refused as from an unknown peer, and a registers anew."""
+    coordinator = Coordinator(heartbeat_timeout_s=1.0).start()
+    client = CoordinatorClient(coordinator.address)
+    try:
+        worker_thread(coordinator.address, FunctionHandler(lambda p: time.sleep(2.5) or "a"), "a")
+        wait_until(lambda: len(client.stats()["workers"]) == 1, "a")
+        worker_thread(coordinator.address, FunctionHandler(lambda p: "b"), "b")
+        wait_until(lambda: len(client.stats()["workers"]) == 2, "b")
+        (response,) = client.request_many([{"i": 0}], timeout_s=60)
+        assert (response.result, response.worker) == ("b", "b")
+        wait_until(lambda: len(client.stats()["workers"]) == 2, "a to register again")
+        assert client.stats()["in_flight"] == 0
+        assert not client.socket.poll(500)  # a's late answer was not passed on
+        client.control("STOP")
+    finally:
+        client.close()
+        coordinator.close()
+
+
 def test_an_engine_worker_sends_prompt_log_probs_and_top_log_probs():
     """Through msgpack as on the wire: the finished result carries the prompt's log probs (the
     coordinator path used to drop them) and each token's top alternatives, as the engine made them."""
