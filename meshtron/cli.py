@@ -146,6 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if uses_replicas(args):  # --dp, --coordinator-port: the HTTP front of replicas; --coordinator: one replica
         from meshtron.inference.dp_serving import serve_replicas
 
+        if args.coordinator is None:
+            check_port_free(args.host, args.port)
         return serve_replicas(args, engine_cfg, server_options)
     if args.pp > 1 or args.tp is not None:  # --pp/--tp: pipeline stages (of TP ranks) under torchrun
         from meshtron.inference.pipeline_args import parallel_degrees
