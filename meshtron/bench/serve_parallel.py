@@ -67,14 +67,15 @@ def _engine_config(spec: dict[str, Any], micro_batches: int = 0):
                         num_blocks=spec["num_blocks"], block_size=16, pp_micro_batches=micro_batches)
 
 
-def _timed_generate(engine, prompts, outputs) -> tuple[float, list[list[int]]]:
+def _timed_generate(engine, prompts, outputs) -> tuple[float, list[list[int]], float]:
+    """-> (wall seconds, tokens, CPU seconds of this process) of the workload, after a warm-up."""
     engine.generate(prompts[:2], _params([2, 2]))  # warm-up: kernels, allocations
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, _params(outputs))
-    return time.perf_counter() - start, [o.token_ids for o in out]
+    return time.perf_counter() - start, [o.token_ids for o in out], time.process_time() - cpu
 
 
-def run_single(spec: dict[str, Any], prompts, outputs, threads: int) -> tuple[float, list[list[int]]]:
+def run_single(spec: dict[str, Any], prompts, outputs, threads: int) -> tuple[float, list[list[int]], float]:
     from meshtron.data.tokenizer import ByteTokenizer
     from meshtron.inference.engine import LLMEngine
 
@@ -106,24 +107,37 @@ def pp_rank(rank: int, world_size: int, spec: dict[str, Any], prompts, outputs, 
     model = build_model(spec["layers"], spec["hidden"], spec["heads"], spec["max_len"], spec["seed"])
     member = build_pipeline_member(model, ByteTokenizer(), _engine_config(spec, micro_batches),
                                    pp_group=mesh["pp"].get_group(), timeout_s=600)
+    # a warm-up generation, then the timed one; every rank measures its own CPU seconds over the timed
+    # one (CPU time, unlike wall time, hardly depends on what else the machine runs)
     if not member.is_leader:
         member.follow()
-        return None
+        dist.barrier(group=member.messages.group)
+        cpu = time.process_time()
+        member.follow()
+        return time.process_time() - cpu
     engine = lead(member.engine, Leader(member.messages))
     engine.depth = depth  # steps in flight at once: pp (the default), or 1 (one step through the stages at a time)
+    engine.generate(prompts[:2], _params([2, 2]))
+    engine.step_hook("stop")
+    dist.barrier(group=member.messages.group)
+    engine.step_hook = Leader(member.messages)
     try:
-        return _timed_generate(engine, prompts, outputs)
+        start, cpu = time.perf_counter(), time.process_time()
+        out = engine.generate(prompts, _params(outputs))
+        return time.perf_counter() - start, [o.token_ids for o in out], time.process_time() - cpu
     finally:
         engine.shutdown()
 
 
 def run_pipeline(spec: dict[str, Any], prompts, outputs, pp: int, threads: int, micro_batches: int,
-                 depth: int) -> tuple[float, list[list[int]]]:
+                 depth: int) -> tuple[float, list[list[int]], list[float]]:
+    """-> (wall seconds, tokens, CPU seconds of each stage)."""
     from meshtron.testing.multiprocess import run_ranks
 
     results = run_ranks("meshtron.bench.serve_parallel:pp_rank", pp, timeout_s=1800, spec=spec, prompts=prompts,
                         outputs=outputs, threads=threads, micro_batches=micro_batches, depth=depth)
-    return results[-1]  # the leader: the last stage
+    wall, tokens, cpu = results[-1]  # the leader: the last stage
+    return wall, tokens, [*results[:-1], cpu]
 
 
 def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,27 +152,40 @@ def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
                 (f"pp{args.pp} sync m={args.pp}", 1, args.pp)]
     singles = args.single_threads or [args.pp * args.threads]
     walls: dict[str, list[float]] = {**{f"single {t} thr": [] for t in singles}, **{name: [] for name, _, _ in variants}}
+    cpus: dict[str, list[list[float]]] = {name: [] for name in walls}  # per run: CPU seconds of each process
     reference, agree = None, True
     for _ in range(args.repeats):
         for t in singles:
-            wall, out = run_single(spec, prompts, outputs, t)
+            wall, out, cpu = run_single(spec, prompts, outputs, t)
             walls[f"single {t} thr"].append(wall)
+            cpus[f"single {t} thr"].append([cpu])
             agree = agree and (reference is None or out == reference)
             reference = reference or out
         for name, depth, m in variants:
-            wall, out = run_pipeline(spec, prompts, outputs, args.pp, args.threads, m, depth)
+            wall, out, cpu = run_pipeline(spec, prompts, outputs, args.pp, args.threads, m, depth)
             walls[name].append(wall)
+            cpus[name].append(cpu)
             agree = agree and out == reference
     rows = []
-    single = statistics.median(walls[f"single {singles[0]} thr"])
+    ref = f"single {singles[0]} thr"
+    single = statistics.median(walls[ref])
+    single_cpu = statistics.median(sum(c) for c in cpus[ref])
     for name, w in walls.items():
         wall = statistics.median(w)
+        total_cpu = statistics.median(sum(c) for c in cpus[name])
+        busiest = statistics.median(max(c) for c in cpus[name])
         rows.append({"system": name, "wall_s": round(wall, 3), "output_tokens_per_s": round(tokens / wall, 1),
-                     "vs_single": round(single / wall, 3), "walls": [round(x, 3) for x in w]})
+                     "vs_single": round(single / wall, 3), "walls": [round(x, 3) for x in w],
+                     # CPU seconds: all processes together (the work, overhead included) and the busiest
+                     # process (the bound on wall time with every stage on a core of its own)
+                     "cpu_s": round(total_cpu, 3), "cpu_vs_single": round(total_cpu / single_cpu, 3),
+                     "busiest_cpu_s": round(busiest, 3), "bound_vs_single": round(single_cpu / busiest, 3),
+                     "cpus": [[round(x, 3) for x in c] for c in cpus[name]]})
     return {"mode": "pp", "rows": rows, "same_tokens": agree, "output_tokens": tokens,
             "note": f"{args.pp} stages x {args.threads} thread(s) against one process with {singles[0]} thread(s); "
                     f"pp{args.pp}: {args.pp} steps in flight; sync: one step through the stages at a time "
-                    f"(m: micro-batches per step)"}
+                    f"(m: micro-batches per step); cpu: CPU seconds of all processes, x single; bound: single's "
+                    f"CPU seconds / the busiest process's (the speed-up with a core per stage)"}
 
 
 def mode_dp(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,9 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'system':<18} {'wall s':>8} {'out tok/s':>10} {'vs single':>10}")
+    cpu = "cpu_s" in result["rows"][0]
+    extra = f" {'cpu s':>8} {'cpu x':>7} {'bound':>7}" if cpu else ""
+    print(f"{'system':<18} {'wall s':>8} {'out tok/s':>10} {'vs single':>10}" + extra)
     for r in result["rows"]:
-        print(f"{r['system']:<18} {r['wall_s']:>8.3f} {r['output_tokens_per_s']:>10.1f} {r['vs_single']:>10.3f}")
+        extra = f" {r['cpu_s']:>8.3f} {r['cpu_vs_single']:>7.3f} {r['bound_vs_single']:>7.3f}" if cpu else ""
+        print(f"{r['system']:<18} {r['wall_s']:>8.3f} {r['output_tokens_per_s']:>10.1f} {r['vs_single']:>10.3f}" + extra)
     print(result["note"])
     if "same_tokens" in result:
         print("same tokens as the single process:", "yes" if result["same_tokens"] else "NO")
