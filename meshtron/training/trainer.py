@@ -604,7 +604,7 @@ class Trainer:
         logger.log(self.step, {f"startup_{k}_s": v for k, v in self.timers.startup.items()}, kind="startup", echo=False)
 
     def _loop(self, logger: MetricsLogger) -> None:
-        t, interval = self.cfg.train, save_interval(self.cfg)
+        t, every = self.cfg.train, save_interval(self.cfg)
         window: list[StepResult] = []
         window_time = 0.0
         first_step = self.step
@@ -631,7 +631,7 @@ class Trainer:
                 window, window_time = [], 0.0
             if t.eval_interval and self.step % t.eval_interval == 0:
                 self._evaluate_and_log(logger)
-            if interval and self.step % interval == 0:
+            if every and self.step % every == 0:
                 with self._guard("checkpoint save at step", self.step):
                     self.save()
             if self.should_stop():

@@ -208,3 +208,10 @@ def test_train_lines_show_step_of_total_elapsed_and_eta(tiny_config, capsys):
     assert [line.split(" | ")[0] for line in lines] == [f"[train] step {k}/4" for k in range(1, 5)]
     assert all(" | elapsed " in line for line in lines)
     assert all(" | eta " in line for line in lines[:-1]) and " | eta " not in lines[-1]   # none once done
+
+
+def test_checkpoints_are_saved_at_the_interval(tmp_path, tiny_config):
+    Trainer(tiny_config(**{"checkpoint.save_interval": "2", "checkpoint.save_at_end": "false",
+                           "checkpoint.keep_last": "0"})).train()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved == ["step_00000002", "step_00000004"]
