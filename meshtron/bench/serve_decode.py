@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per timed request")
+    p.add_argument("--int8-decode-tokens", type=int, default=16,
+                   help="tokens of the int8 row's requests (torchao's int8 weight-only runs ~10x slower than fp32 on "
+                        "a CPU, docs/benchmarks.md); its tokens are compared with fp32's on this prefix")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds of every measurement; medians reported")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads and bandwidth threads")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer read by the bandwidth measurement")
@@ -77,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    for name in ("repeats", "threads", "decode_tokens", "prompt_len", "bandwidth_mb", "num_speculative_tokens"):
+    for name in ("repeats", "threads", "decode_tokens", "prompt_len", "bandwidth_mb", "num_speculative_tokens",
+                 "int8_decode_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
     if args.decode_tokens < 2:
@@ -118,7 +122,8 @@ def measure_bandwidth(num_bytes: int, threads: int, repeats: int) -> dict[str, A
 
 
 def linear_weights(model: nn.Module) -> list[torch.Tensor]:
-    return [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    """The decode step's linear weights: the MTP depths' are not (they only draft, speculative_method mtp)."""
+    return [m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear) and not name.startswith("mtp.")]
 
 
 @torch.inference_mode()
@@ -138,12 +143,13 @@ def gemv_pass_seconds(weights: list[torch.Tensor], passes: int = 5) -> list[floa
 
 
 def step_bytes(model: GPTModel, context_lengths: list[int]) -> dict[str, float]:
-    """Bytes one decode step reads: every parameter except embedding tables (a lookup reads one row),
-    plus keys and values at the mean context length of the timed steps."""
+    """Bytes one decode step reads: every parameter except embedding tables (a lookup reads one row) and
+    MTP depths (drafters only), plus keys and values at the mean context length of the timed steps."""
     from meshtron.inference.runner import kv_bytes_per_token
 
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    weights = sum(tensor_bytes(p) for p in model.parameters() if id(p) not in embeddings)
+    weights = sum(tensor_bytes(p) for name, p in model.named_parameters()
+                  if id(p) not in embeddings and not name.startswith("mtp."))
     kv = kv_bytes_per_token(model) * statistics.fmean(context_lengths)
     return {"weight_bytes": weights, "kv_bytes_mean": kv, "per_step": weights + kv}
 
@@ -282,7 +288,8 @@ def setup_systems(model: GPTModel, args, workdir: Path, runs: Runs, prompt: list
         if reason is None:
             quantized = copy.deepcopy(model)
             engine8 = build_engine(quantized, ByteTokenizer(), quantize="int8-weight-only")
-            runs.add("meshtron int8 weight-only", name, lambda: engine_decode(engine8, prompt, n),
+            n8 = max(2, min(n, args.int8_decode_tokens))
+            runs.add("meshtron int8 weight-only", name, lambda: engine_decode(engine8, prompt, n8),
                      bytes_model=quantized)
         else:
             runs.add("meshtron int8 weight-only", name, None, f"not available: {reason}")
@@ -370,7 +377,8 @@ def summarize(runs: Runs, rounds: list[dict[str, float]], model: GPTModel, args,
         if ref is not None and ref["rates"] and name != references[key]:
             out["x_fp32"] = statistics.median(r / f for r, f in zip(rates, ref["rates"]))
             k = min(len(row["tokens"]), len(ref["tokens"]))
-            out["same_tokens"] = row["tokens"] == ref["tokens"]
+            out["same_tokens"] = row["tokens"][:k] == ref["tokens"][:k]  # int8 runs fewer tokens: its prefix
+            out["compared_tokens"] = k
             out["token_agreement"] = sum(a == b for a, b in zip(row["tokens"][:k], ref["tokens"][:k])) / max(k, 1)
         accepted = [i["acceptance_rate"] for i in info if "acceptance_rate" in i]
         if accepted:
