@@ -124,7 +124,8 @@ def serve_summary(engine, host: str, port: int) -> str:
     model = engine.runner.model
     num_params = sum(p.numel() for p in model.parameters())
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return (f"serving {engine.model_name} on http://{host}:{port}: {num_params / 1e6:.1f}M parameters, {dtype} on "
+    size = f"{num_params / 1e9:.2f}B" if num_params >= 1e9 else f"{num_params / 1e6:.2f}M"
+    return (f"serving {engine.model_name} on http://{host}:{port}: {size} parameters, {dtype} on "
             f"{engine.device.type}, KV cache {c.num_blocks} blocks x {c.block_size} tokens "
             f"({c.num_blocks * c.block_size} tokens), max length {c.max_model_len}, up to {c.max_num_seqs} sequences")
 

@@ -138,6 +138,6 @@ def test_serve_start_up_line(trained):
 
     params = count_parameters(config_from_dict(cfg).model, engine.tokenizer.vocab_size)
     assert line.startswith("serving checkpoints on http://127.0.0.1:8000: ") or line.startswith("serving run on")
-    assert f"{params / 1e6:.1f}M parameters, float32 on cpu" in line
+    assert f"{params / 1e6:.2f}M parameters, float32 on cpu" in line
     assert "KV cache 12 blocks x 8 tokens (96 tokens)" in line
     assert f"max length {TINY['model.max_position_embeddings']}" in line
