@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from meshtron.checkpoint.carry import copy_side_files, side_files
+from meshtron.checkpoint.carry import SIDE_FILE_SUFFIXES, copy_side_files, side_files  # noqa: F401 (public here before)
 from meshtron.config.loader import config_from_dict, config_to_dict
 from meshtron.config.schema import ModelConfig, RunConfig
 from meshtron.models.gpt import GPTModel
