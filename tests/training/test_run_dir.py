@@ -215,3 +215,25 @@ def test_checkpoints_are_saved_at_the_interval(tmp_path, tiny_config):
                            "checkpoint.keep_last": "0"})).train()
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert saved == ["step_00000002", "step_00000004"]
+
+
+def signal_on_one_rank(rank: int, world_size: int, run_dir: str) -> tuple[int, int]:
+    """Rank 1 alone gets SIGTERM after step 2: both ranks stop after step 2 (they agree through one
+    all-reduce) and save one checkpoint together. -> (exit code, step) of this rank."""
+    overrides = {**TINY, "train.run_dir": run_dir, "checkpoint.save_at_end": "false", "checkpoint.save_interval": "0",
+                 "train.train_iters": "6", "parallel.timeout_s": "120"}
+    trainer = SignalAt(load_config(overrides=overrides, world_size=world_size), at=2 if rank == 1 else -1,
+                       signum=signal.SIGTERM)
+    try:
+        trainer.train()
+    except RunInterrupted as stop:
+        return stop.exit_code, trainer.step
+    return 0, trainer.step
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    from meshtron.testing.multiprocess import run_ranks
+
+    results = run_ranks("tests.training.test_run_dir:signal_on_one_rank", 2, timeout_s=300, run_dir=str(tmp_path / "run"))
+    assert results == [(143, 2), (143, 2)]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
