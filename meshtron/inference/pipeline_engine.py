@@ -503,11 +503,11 @@ def member_for_stage(stage: InferenceStage, tokenizer, config: EngineConfig, *, 
 def load_pipeline_member(checkpoint: str, config: EngineConfig, *, pp_group, tp_mesh=None, timeout_s: float = 600.0,
                          model_name: Optional[str] = None) -> PipelineMember:
     """`build_pipeline_member` for a checkpoint: the model and tokenizer it was trained with, this rank's
-    stage loaded from it (the stage's parameters only), in `config.dtype`."""
+    stage built alone (on the meta device first, so the whole model never exists in this process),
+    sharded over `tp_mesh`, loaded from the checkpoint (the stage's parameters only), in `config.dtype`."""
     from meshtron.checkpoint import checkpoint_run_config, load_checkpoint
     from meshtron.data.tokenizer import build_tokenizer
     from meshtron.inference.loading import model_name_for, read_chat_template
-    from meshtron.models import GPTModel
     from meshtron.training.precision import resolve_engine_dtype
     from meshtron.training.trainer import resolve_device
 
@@ -516,16 +516,21 @@ def load_pipeline_member(checkpoint: str, config: EngineConfig, *, pp_group, tp_
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokenizer.chat_template = read_chat_template(cfg.tokenizer.path if cfg.tokenizer.type == "hf" else None)
     device = resolve_device(config.device)
-    model = GPTModel(cfg.model, tokenizer.vocab_size).to(device)
     pp = dist.get_world_size(pp_group)
     p = cfg.parallel  # the training split when the checkpoint was trained with as many stages, without virtual ones
     same_split = p.pp == pp and p.pp_virtual_stages == 1
     ranges = stage_ranges(len(cfg.model.pattern), pp, p.pp_first_stage_sublayers if same_split else None,
                           p.pp_last_stage_sublayers if same_split else None)
-    return build_pipeline_member(model, tokenizer, config, pp_group=pp_group, tp_mesh=tp_mesh, ranges=ranges,
-                                 timeout_s=timeout_s, model_name=model_name or model_name_for(checkpoint),
-                                 load=lambda part: load_checkpoint(checkpoint, part),
-                                 dtype=resolve_engine_dtype(config.dtype, device))
+    stage = empty_stage(cfg.model, tokenizer.vocab_size, ranges, dist.get_rank(pp_group), device)
+    if tp_mesh is not None:
+        from meshtron.parallel.tensor_parallel import apply_tp
+
+        apply_tp(stage.part, tp_mesh, sequence_parallel=False, loss_parallel=False)
+    load_checkpoint(checkpoint, stage.part)  # every parameter and persistent buffer of the stage
+    stage.to(resolve_engine_dtype(config.dtype, device))
+    return member_for_stage(stage, tokenizer, config, pp_group=pp_group,
+                            tp_group=tp_mesh.get_group() if tp_mesh is not None else None, timeout_s=timeout_s,
+                            model_name=model_name or model_name_for(checkpoint))
 
 
 def serve_pipeline_parallel(checkpoint: str, engine_cfg: EngineConfig, *, pp: int, tp: Optional[int], model_name, host: str,
