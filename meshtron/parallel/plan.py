@@ -361,20 +361,85 @@ class RegionTracker:
             h.remove()
 
 
+def _module_fingerprint(layer: nn.Module) -> Hashable:
+    """What decides the tensors a sublayer saves: its modules' types, parameter shapes and dtypes and
+    plain attributes (the window, the activation, ...), not `layer_id` (which only keys inference caches)."""
+    simple = (int, float, str, bool, type(None), torch.dtype)
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, simple) or (isinstance(v, tuple) and all(isinstance(x, simple) for x in v)):
+            return v
+        if callable(v) and not isinstance(v, nn.Module):  # an activation function
+            return getattr(v, "__qualname__", type(v).__qualname__)
+        return type(v).__qualname__
+
+    out = []
+    for name, m in layer.named_modules():
+        attrs = tuple(sorted((k, plain(v)) for k, v in vars(m).items()
+                             if not k.startswith("_") and k not in ("layer_id", "training")))
+        params = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters(recurse=False))
+        buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False))
+        out.append((name, type(m).__qualname__, attrs, params, buffers))
+    return tuple(out)
+
+
+def representative_layers(model: GPTModel, layer_ids: range) -> tuple[list[int], dict[int, int]]:
+    """The sublayers of a chunk worth tracing and, for every sublayer, the traced one that saves the same
+    bytes in the same regions. Sublayer i's saved storages are those first saved during its forward:
+    what it computes (its fingerprint) plus which of its inputs were saved before it, which depends on
+    the sublayer before it (its output, or the embedding when i starts the chunk) and on the kinds of
+    sublayer run before it (storages they share: rotary tables, the packed context). Sublayers equal in
+    these three are traced once. The traced list keeps, in order, the first sublayer of every such
+    class, the one before it, and the chunk's last (whose output the final norm reads)."""
+    ids = list(layer_ids)
+    fps = {i: _module_fingerprint(model.layers[i]) for i in ids}
+    rep: dict[int, int] = {}
+    first_of: dict[Hashable, int] = {}
+    seen: set = set()
+    for k, i in enumerate(ids):
+        sig = (fps[i], fps[ids[k - 1]] if k else None, frozenset(seen))
+        rep[i] = first_of.setdefault(sig, i)
+        seen.add(fps[i])
+    keep = set(first_of.values()) | {ids[ids.index(r) - 1] for r in first_of.values() if r != ids[0]}
+    if ids:
+        keep.add(ids[-1])
+    return sorted(keep), rep
+
+
 def trace_chunk(model: GPTModel, chunk: Chunk, whole: bool, batch: int, seq: int,
-                loss_vocab_factor: int = 1) -> dict[Hashable, int]:
+                loss_vocab_factor: int = 1, full_trace: bool = False) -> dict[Hashable, int]:
     """Saved-tensor bytes by region of one micro-batch (batch, seq) through `chunk` of `model`
     (fake tensors). `loss_vocab_factor` widens the logits the loss sees (TP without loss_parallel
-    all-gathers them to the full vocabulary)."""
+    all-gathers them to the full vocabulary). Only `representative_layers` run; every other sublayer
+    is given its representative's bytes (`full_trace`: run them all, the reference)."""
+    if full_trace:
+        traced, rep = list(chunk.layer_ids), {i: i for i in chunk.layer_ids}
+    else:
+        traced, rep = representative_layers(model, chunk.layer_ids)
+    regions = _trace(model, chunk, traced, whole, batch, seq, loss_vocab_factor)
+    out = {region: nbytes for region, nbytes in regions.items() if not isinstance(region, tuple)}
+    for i in chunk.layer_ids:
+        for kind in ("seq", "mixer"):
+            if (kind, rep[i]) in regions:
+                out[(kind, i)] = regions[(kind, rep[i])]
+    return out
+
+
+def _trace(model: GPTModel, chunk: Chunk, traced: list[int], whole: bool, batch: int, seq: int,
+           loss_vocab_factor: int) -> dict[Hashable, int]:
     tracker = RegionTracker(model)
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     labels, loss_mask = torch.zeros_like(tokens), torch.ones(batch, seq)  # the loader's dtypes
+    # the same model with only the traced sublayers (the modules are shared: the tracker's hooks fire)
+    runs = copy.copy(model)
+    runs._modules = dict(model._modules)
+    runs._modules["layers"] = nn.ModuleList([model.layers[i] for i in traced])
     try:
         with SavedTensorCounter(model, tracker.current) as counter:
             if whole:
-                logits, mtp_logits = forward_for_loss(model, tokens, PackedContext.for_tokens(tokens))
+                logits, mtp_logits = forward_for_loss(runs, tokens, PackedContext.for_tokens(tokens))
             else:
-                logits, mtp_logits = _stage_forward(model, chunk, tokens), []
+                logits, mtp_logits = _stage_forward(runs, chunk, tokens, traced), []
             if logits is not None:
                 if loss_vocab_factor > 1:
                     logits = torch.cat([logits] * loss_vocab_factor, dim=-1)  # what the all-gather produces
@@ -385,13 +450,14 @@ def trace_chunk(model: GPTModel, chunk: Chunk, whole: bool, batch: int, seq: int
         tracker.remove()
 
 
-def _stage_forward(model: GPTModel, chunk: Chunk, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+def _stage_forward(model: GPTModel, chunk: Chunk, tokens: torch.Tensor,
+                   layer_ids: list[int]) -> Optional[torch.Tensor]:
     """Run one pipeline stage module; a later stage receives hidden states that require grad."""
     from meshtron.parallel.pipeline_stages import PipelineStageModule
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the stage deep-copies the rotary buffer: a fake tensor
-        stage = PipelineStageModule(model, chunk.layer_ids, chunk.is_first, chunk.is_last)
+        stage = PipelineStageModule(model, range(len(layer_ids)), chunk.is_first, chunk.is_last)
     stage.rotary = model.rotary  # that copy belongs to another fake mode; the model's own computes the same
     if stage.tied_copy:  # the last stage's copy of a tied embedding is a parameter (rank_parameters), not an activation
         stage.embedding = model.embedding
@@ -499,10 +565,17 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
       total       = params + grads + optimizer + activations.
     MoE sublayers trace a balanced dropless routing: under EP each rank's experts then receive as
     many rows as it sends, so the traced activations hold for any ep.
+    Identical sublayers are traced once (`representative_layers`: same modules, same sublayer before
+    them, same kinds run before them) and their bytes reused.
     Not counted: FSDP's transiently gathered sublayer parameters, communication buffers, ring
     attention's extra key/value blocks under CP, and the one sublayer recompute materialises during
     its backward. bf16 traces under CPU autocast; parameters, gradients and states stay fp32.
     """
+    return _estimate_memory(cfg, world_size)
+
+
+def _estimate_memory(cfg: RunConfig, world_size: int, full_trace: bool = False) -> list[dict[str, Any]]:
+    """`estimate_memory`; `full_trace` traces every sublayer (the reference the fast path is tested against)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     m = num_microbatches(cfg, dims)
     vocab = vocab_size(cfg)
@@ -525,7 +598,8 @@ def estimate_memory(cfg: RunConfig, world_size: int) -> list[dict[str, Any]]:
         plans = []
         for pp_rank, chunks in enumerate(chunks_by_rank):
             whole = dims.pp == 1
-            per_microbatch = sum(chunk_activation_bytes(trace_chunk(local, c, whole, batch, seq, loss_factor), c,
+            per_microbatch = sum(chunk_activation_bytes(trace_chunk(local, c, whole, batch, seq, loss_factor, full_trace),
+                                                        c,
                                                         cfg, dims, batch, seq) for c in chunks)
             sizes = rank_parameters(full, chunks, dims, etp)
             plans.append(_stage_plan(cfg, dims, pp_rank, chunks, sizes, per_microbatch, m))

@@ -15,7 +15,13 @@ from meshtron.models.mtp import combine_losses, forward_for_loss
 from meshtron.nn.context import PackedContext
 from meshtron.parallel.activation_checkpoint import apply_activation_checkpoint
 from meshtron.parallel.dims import ParallelDims
-from meshtron.parallel.plan import SavedTensorCounter, estimate_memory, microbatches_in_flight
+from meshtron.parallel.plan import (
+    SavedTensorCounter,
+    _estimate_memory,
+    estimate_memory,
+    microbatches_in_flight,
+    representative_layers,
+)
 
 BYTE_VOCAB = build_tokenizer(RunConfig().tokenizer).vocab_size  # the model pads it to 384
 TINY = {
@@ -285,3 +291,52 @@ def test_plan_command_lists_parameter_placements(tiny_yaml, capsys):
     assert rows["layers.1.mixer.w_up.weight"] == ["64x32", "S(0)", "32x32"]
     assert rows["embedding.weight"] == ["384x32", "S(0)", "192x32"]
     assert rows["layers.0.norm.weight"] == ["32", "R", "32"]
+
+
+# ---- tracing one sublayer of each kind ------------------------------------------------------------
+
+MOE = {"model.num_moe_experts": "4", "model.moe_router_topk": "2", "model.moe_ffn_hidden_size": "16"}
+MIXED = {
+    "mla_moe_mtp": {**MOE, "model.num_layers": "5", "model.moe_layer_freq": "[0,1,1,0,1]",
+                    "model.multi_latent_attention": "true", "model.q_lora_rank": "16", "model.kv_lora_rank": "8",
+                    "model.qk_head_dim": "8", "model.qk_pos_emb_head_dim": "4", "model.v_head_dim": "8",
+                    "model.moe_shared_expert_intermediate_size": "16", "model.mtp_num_layers": "1"},
+    "deepseek_shaped": {**MOE, "model.num_layers": "8", "model.moe_layer_freq": "[0,0,1,1,1,1,1,1]",
+                        "model.multi_latent_attention": "true", "model.q_lora_rank": "16", "model.kv_lora_rank": "8",
+                        "model.qk_head_dim": "8", "model.qk_pos_emb_head_dim": "4", "model.v_head_dim": "8",
+                        "model.moe_shared_expert_intermediate_size": "16", "model.mtp_num_layers": "1"},
+    "mamba_moe_window": {**MOE, **MAMBA, "model.layer_pattern": "M*-*EM*E*-*EE-M*", "model.window_size": "8",
+                         "model.window_attn_skip_freq": "2"},
+}
+LAYOUTS = {
+    "single": (1, {}),
+    "selective": (1, {"parallel.activation_checkpoint": "selective"}),
+    "pp2": (2, {"parallel.pp": "2", "parallel.pp_schedule": "gpipe"}),
+    "tp2_sp": (2, {"parallel.tp": "2", "parallel.sequence_parallel": "true"}),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model", MIXED)
+def test_tracing_representative_sublayers_equals_the_full_trace(model, layout):
+    """estimate_memory traces one sublayer per class of identical ones (`representative_layers`); the
+    reference traces every sublayer of the model (the full fake forward)."""
+    world, overrides = LAYOUTS[layout]
+    cfg = config(world, **MIXED[model], **overrides)
+    fast = estimate_memory(cfg, world)
+    assert fast == _estimate_memory(cfg, world, full_trace=True)
+    assert all(r["activation_bytes_per_microbatch"] > 0 for r in fast)
+
+
+def test_representative_layers_trace_a_deepseek_shaped_model_once_per_kind():
+    """Two dense layers then MoE ones (DeepSeek-V3's shape, worked out by hand): sublayers 0-3 differ in
+    what ran before them, 4 is 2's twin (attention after an MLP, both kinds seen) but runs before 5, the
+    first MoE; 6 (attention after MoE) and 7 (an MoE after a seen MoE) are the repeating pair; the last
+    is kept for the final norm."""
+    cfg = config(**MIXED["deepseek_shaped"])
+    assert cfg.model.pattern == "*-*-*E*E*E*E*E*E"
+    with torch.device("meta"):
+        model = GPTModel(cfg.model, BYTE_VOCAB)
+    traced, rep = representative_layers(model, range(16))
+    assert traced == [0, 1, 2, 3, 4, 5, 6, 7, 15]
+    assert rep == {0: 0, 1: 1, 2: 2, 3: 3, 4: 2, 5: 5, 6: 6, 7: 7, **{i: 6 if i % 2 == 0 else 7 for i in range(8, 16)}}
