@@ -348,3 +348,37 @@ def test_install_page_lists_every_extra():
     extras = pyproject_extras()
     assert listed == extras, (f"docs/install.md's extras table differs from pyproject.toml: missing {sorted(extras - listed)}, "
                               f"not an extra {sorted(listed - extras)}")
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of the page's headings: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    import re
+
+    out, in_fence = set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_fence = not in_fence
+        m = None if in_fence else re.match(r"^#+\s+(.*)$", line)
+        if m:
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_anchor_links_name_a_heading(path):
+    """A link `page.md#anchor` (or `#anchor` on the same page) names a heading of that page."""
+    import re
+
+    problems, in_fence = [], False
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith(("```", "~~~")):
+            in_fence = not in_fence
+        if in_fence:
+            continue
+        for m in re.finditer(r"\]\(([^)\s#]*)#([^)\s]+)\)", line):
+            target = (path.parent / m.group(1)) if m.group(1) else path
+            if re.match(r"^[a-z]+:", m.group(1)) or target.suffix != ".md" or not target.exists():
+                continue
+            if m.group(2) not in heading_anchors(target):
+                problems.append(f"{path.relative_to(ROOT)}:{n}: #{m.group(2)} is not a heading of {target.relative_to(ROOT)}")
+    assert not problems, "\n".join(problems)
