@@ -390,7 +390,8 @@ def representative_layers(model: GPTModel, layer_ids: range) -> tuple[list[int],
     the sublayer before it (its output, or the embedding when i starts the chunk) and on the kinds of
     sublayer run before it (storages they share: rotary tables, the packed context). Sublayers equal in
     these three are traced once. The traced list keeps, in order, the first sublayer of every such
-    class, the one before it, and the chunk's last (whose output the final norm reads)."""
+    class, the one before it, and the chunk's last (whose output the final norm reads) unless the list
+    already ends with its twin."""
     ids = list(layer_ids)
     fps = {i: _module_fingerprint(model.layers[i]) for i in ids}
     rep: dict[int, int] = {}
@@ -400,10 +401,10 @@ def representative_layers(model: GPTModel, layer_ids: range) -> tuple[list[int],
         sig = (fps[i], fps[ids[k - 1]] if k else None, frozenset(seen))
         rep[i] = first_of.setdefault(sig, i)
         seen.add(fps[i])
-    keep = set(first_of.values()) | {ids[ids.index(r) - 1] for r in first_of.values() if r != ids[0]}
-    if ids:
-        keep.add(ids[-1])
-    return sorted(keep), rep
+    keep = sorted(set(first_of.values()) | {ids[ids.index(r) - 1] for r in first_of.values() if r != ids[0]})
+    if keep and fps[keep[-1]] != fps[ids[-1]]:
+        keep.append(ids[-1])
+    return keep, rep
 
 
 def trace_chunk(model: GPTModel, chunk: Chunk, whole: bool, batch: int, seq: int,
