@@ -80,11 +80,14 @@ class SavedTensorCounter:
     def total(self) -> int:
         return sum(self.by_region.values())
 
+    def _parameter_keys(self) -> set[int]:
+        # FSDP swaps gathered parameters in for the forward: ask the model at each save
+        return {_storage_key(p) for p in self.model.parameters()}
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in self._seen:
-            # FSDP swaps gathered parameters in for the forward: ask the model at each save
-            if key not in {_storage_key(p) for p in self.model.parameters()}:
+            if key not in self._parameter_keys():
                 nbytes = local_tensor(t).untyped_storage().nbytes()
                 where = self.region()
                 self.by_region[where] = self.by_region.get(where, 0) + nbytes
@@ -102,6 +105,18 @@ class SavedTensorCounter:
 
     def close(self) -> None:
         self._kept.clear()
+
+
+class _FixedParametersCounter(SavedTensorCounter):
+    """A SavedTensorCounter for a model whose parameters stay the same objects during the forward (the
+    plan's fake model: no FSDP), which reads their storages once instead of at every save."""
+
+    def __init__(self, model: nn.Module, region: Callable[[], Hashable] = lambda: None):
+        super().__init__(model, region)
+        self._keys = super()._parameter_keys()
+
+    def _parameter_keys(self) -> set[int]:
+        return self._keys
 
 
 # ---- the layout -----------------------------------------------------------------------------------
@@ -436,7 +451,7 @@ def _trace(model: GPTModel, chunk: Chunk, traced: list[int], whole: bool, batch:
     runs._modules = dict(model._modules)
     runs._modules["layers"] = nn.ModuleList([model.layers[i] for i in traced])
     try:
-        with SavedTensorCounter(model, tracker.current) as counter:
+        with _FixedParametersCounter(model, tracker.current) as counter:
             if whole:
                 logits, mtp_logits = forward_for_loss(runs, tokens, PackedContext.for_tokens(tokens))
             else:
