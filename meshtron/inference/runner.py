@@ -168,6 +168,8 @@ class ModelRunner:
                 self.num_forwards["graph"] += 1
                 return result
         logits, req_ids, batch = self._eager_forward(chunks)
+        if len(req_ids) == logits.shape[0]:  # every token is sampled (decodes only): sample_index is arange
+            return logits, req_ids
         return logits.index_select(0, batch.sample_index), req_ids
 
     def _eager_forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[str], PagedBatch]:

@@ -67,7 +67,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.rope is not None:
             cos, sin = ctx.rope
-            q, k = apply_rotary(q, cos, sin, self.rotary_interleaved), apply_rotary(k, cos, sin, self.rotary_interleaved)
+            if torch.is_grad_enabled():
+                q, k = (apply_rotary(t, cos, sin, self.rotary_interleaved) for t in (q, k))
+            else:  # inference: queries and keys rotated in one call (decode steps are bound by per-op overhead)
+                heads = q.shape[2]
+                qk = apply_rotary(torch.cat([q, k], dim=2), cos, sin, self.rotary_interleaved)
+                q, k = qk[:, :, :heads], qk[:, :, heads:]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         k, v = ctx.update_kv(self.layer_id, k, v)
         out = attend(q, k, v, ctx, scale=self.scale, window_size=self.window_size, sink_logits=self.sink_logits(q),

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
             # inference in fp32: torch's fused kernel, bitwise the same as the lines below (one op for
             # eight; a decode step runs 2 * layers + 1 norms on one token each)
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         compute = torch.promote_types(x.dtype, torch.float32)
         h = x.to(compute)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
