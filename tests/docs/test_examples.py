@@ -8,8 +8,8 @@ Published figures: Llama-3-8B 8.03B (Meta's model card); Qwen3-30B-A3B 30.5B tot
 not included (DeepSeek-V3 technical report). Active parameters are the total less the routed experts
 a token does not use: each routed expert tensor (experts, ...) counts k / experts of its size.
 
-`meshtron plan` traces a mixture-of-experts layer expert by expert on fake tensors, minutes of CPU for
-the 128- and 256-expert models: those are slow tests; the dense 8B model is the fast representative.
+Planning traces one sublayer of each kind on fake tensors (seconds); the dry runs of the mixture-of-
+experts models start a process each and are slow tests, the dense 8B model's dry run the fast representative.
 """
 
 from __future__ import annotations
@@ -106,13 +106,11 @@ def test_llama3_8b_plans_at_its_published_size():
     check_counts("llama3-8b")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
 def test_moe_examples_plan_at_their_published_sizes(name):
     check_counts(name)
 
 
-@pytest.mark.slow
 def test_deepseek_v3_pipeline_layout_of_the_readme_plans():
     """The README's pipeline variant (no MTP, pp 8 with uneven first/last stages, ep 32) on 256 GPUs."""
     shapes = plan_parameters("deepseek-v3", 256, "--model.mtp_num_layers", "0", "--parallel.pp", "8",
