@@ -4,7 +4,7 @@ Statically, over every module of meshtron: an import from a private torch module
 or of a private name, an attribute chain from torch with a private link (`torch._C...`,
 `dist.distributed_c10d._get_default_store`), and any `obj._name` whose `_name` meshtron does not define
 itself (so `mesh._flatten` or `opts._timeout` count, `self._lock` does not). A few private names of the
-standard library are allowed by name.
+standard library (argparse's parser internals among them) are allowed by name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ PACKAGE = Path(meshtron.__file__).parent
 # array reconstruction (the checkpoint upgrade admits it to the weights_only unpickler by identity)
 ALLOWED_FOREIGN = {"_exit", "_getframe", "_current_frames", "_asdict", "_replace", "_fields", "_make",
                    "_value_", "_name_", "_missing_", "_reconstruct"}
+# argparse's parser internals, read by config/flags.py to print one command's help and spell flags two ways
+# (unchanged since Python 3.2; shtab and argcomplete read the same ones)
+ALLOWED_FOREIGN |= {"_actions", "_action_groups", "_group_actions", "_option_string_actions",
+                    "_mutually_exclusive_groups", "_get_formatter", "_format_args", "_print_message",
+                    "_ArgumentGroup", "_SubParsersAction"}
 TORCH_ROOTS = {"torch", "dist", "F", "nn", "dcp"}
 
 

@@ -141,7 +141,7 @@ def run(checkpoint: str, modes: list[str], num_windows: int, num_prompts: int, p
 
 
 def _torchao_version() -> str:
-    from meshtron.inference.quantize import import_torchao
+    from meshtron.nn.torchao import import_torchao
 
     return import_torchao().__version__
 

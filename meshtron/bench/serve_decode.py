@@ -238,7 +238,7 @@ def unavailable_quantize() -> Optional[str]:
     if "quantize" not in EngineConfig.__dataclass_fields__:
         return "engine.quantize does not exist in this tree"
     try:
-        from meshtron.inference.quantize import import_torchao
+        from meshtron.nn.torchao import import_torchao
 
         import_torchao()
     except ImportError as e:

@@ -9,7 +9,6 @@ only when a mode other than `none` is asked for.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Optional
 
@@ -18,45 +17,12 @@ from torch import nn
 
 from meshtron.config.fields import ConfigError
 from meshtron.inference.config import EngineConfig
+from meshtron.nn.torchao import has_float8, import_torchao, quiet_torchao_import
 
 QUANTIZE_MODES = EngineConfig.QUANTIZE_MODES
 logger = logging.getLogger(__name__)
 INT4_GROUP_SIZE = 128  # int4: one scale and zero point per 128 input features
 INT4_OUT_MULTIPLE = 16  # int4: the packed layouts tile output features by 16 (CPU) or 8 (CUDA)
-FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
-
-
-@contextlib.contextmanager
-def _quiet_torchao_import():
-    """torchao's import logs a warning for each prebuilt C++ extension that does not match this torch
-    build (the mxfp8 / CUTLASS kernels: GPU-only, unused here) and torch logs a deprecation for an
-    enum torchao registers with pytree. Neither concerns the user: raise those two loggers' level
-    for the import only."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def import_torchao(field: str = "engine.quantize"):
-    """-> the torchao module, imported quietly; one line naming `field` and the extra when it is missing."""
-    try:
-        with _quiet_torchao_import():
-            import torchao
-            import torchao.quantization  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"{field}: needs torchao, which does not import ({e}): pip install 'meshtron[quant]'") from e
-    return torchao
-
-
-def has_float8(device: torch.device) -> bool:
-    """Float8 matmuls need a CUDA GPU of compute capability >= 8.9."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLOAT8_MIN_CAPABILITY
 
 
 def _device_name(device: torch.device) -> str:
@@ -141,7 +107,7 @@ def quantize_model(model: nn.Module, mode: str, device: Optional[torch.device] =
     config = _torchao_config(mode, device)
     from torchao.quantization import quantize_
 
-    with torch.no_grad(), _quiet_torchao_import():
+    with torch.no_grad(), quiet_torchao_import():
         quantize_(model, config, filter_fn=_is_int4_shaped if mode == "int4-weight-only" else _is_linear,
                   device=device)
     model.quantization = mode

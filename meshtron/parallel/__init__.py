@@ -34,7 +34,7 @@ def parallelize_parts(parts: list[nn.Module], dims: ParallelDims, mesh: DeviceMe
     p = cfg.parallel
     for part in parts:
         if cfg.train.float8:  # float8 linears first: TP, compile and FSDP then wrap the converted modules
-            from meshtron.training.float8 import apply_float8_training
+            from meshtron.parallel.float8 import apply_float8_training
 
             apply_float8_training(part, next(part.parameters()).device, tp=dims.tp)
         if dims.tp > 1:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from meshtron.config.fields import ConfigError
-from meshtron.inference.quantize import FLOAT8_MIN_CAPABILITY, has_float8, import_torchao
+from meshtron.nn.torchao import FLOAT8_MIN_CAPABILITY, has_float8, import_torchao
 
 # float8 matmuls need both dims of the weight to be multiples of 16 (torch._scaled_mm's alignment)
 FLOAT8_DIM_MULTIPLE = 16

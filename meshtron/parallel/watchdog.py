@@ -65,7 +65,7 @@ def _failed_key(rank: int) -> str:
 @dataclass(frozen=True)
 class Position:
     """Where a rank is: `activity` ("training step", "evaluation after step", "checkpoint save at
-    step", "straggler report at step", or IDLE) at `step`, in `phase`, after `beats` phase changes in the activity."""
+    step", "straggler report at step", "stop-signal check after step", or IDLE) at `step`, in `phase`, after `beats` phase changes in the activity."""
     activity: str
     step: int
     phase: str
@@ -86,7 +86,8 @@ class Position:
 
 
 # the trainer's activities in the order they happen within one step number
-ACTIVITY_ORDER = ("training step", "straggler report at step", "evaluation after step", "checkpoint save at step")
+ACTIVITY_ORDER = ("training step", "straggler report at step", "evaluation after step", "checkpoint save at step",
+                  "stop-signal check after step")
 
 
 def progress(p: Position) -> tuple[int, int, int, int]:

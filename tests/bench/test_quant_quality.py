@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
 def test_int8_row_matches_an_independent_computation(tmp_path):
     from meshtron.bench.quant_quality import held_out_windows, main
     from meshtron.inference.loading import load_model_and_tokenizer
-    from meshtron.inference.quantize import import_torchao
+    from meshtron.nn.torchao import import_torchao
     from tests.inference.helpers import reference_greedy, save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "ck")

@@ -162,9 +162,11 @@ def tp_rank(rank: int, world_size: int, checkpoint: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from meshtron.testing.multiprocess import rank_backend, rank_device_type
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    dist.init_process_group(rank_backend(), timeout=timedelta(seconds=60))
+    mesh = init_device_mesh(rank_device_type(), (world_size,), mesh_dim_names=("tp",))
     try:
         LLMEngine.from_checkpoint(checkpoint, EngineConfig(quantize="int8-weight-only", **ENGINE), tp_mesh=mesh)
     except ConfigError as e:

@@ -22,7 +22,7 @@ from meshtron.config.schema import RunConfig  # noqa: E402
 from meshtron.models import GPTModel  # noqa: E402
 from meshtron.parallel import parallelize_parts  # noqa: E402
 from meshtron.parallel.dims import ParallelDims  # noqa: E402
-from meshtron.training.float8 import apply_float8_training, check_float8_training  # noqa: E402
+from meshtron.parallel.float8 import apply_float8_training, check_float8_training  # noqa: E402
 
 
 def fake_float8(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -57,7 +57,7 @@ def test_refused_on_a_cpu_in_one_line():
 
 
 def test_refused_with_tensor_parallelism(monkeypatch):
-    monkeypatch.setattr("meshtron.training.float8.has_float8", lambda device: True)   # as on an H100
+    monkeypatch.setattr("meshtron.parallel.float8.has_float8", lambda device: True)   # as on an H100
     with pytest.raises(ConfigError, match="train.float8: not combined with tensor parallelism"):
         check_float8_training(torch.device("cuda"), tp=2)
 

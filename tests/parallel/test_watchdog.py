@@ -131,7 +131,7 @@ def test_rank_that_never_starts_a_step_is_named(tmp_path):
     waiting, stuck = results
     assert isinstance(stuck, RankError)
     assert waiting.startswith("a collective in training step 2, phase communication failed or timed out after 5s")
-    assert "rank(s) [1] did not arrive (rank 1 was last in between activities (after training step 1))" in waiting
+    assert "rank(s) [1] did not arrive (rank 1 was last in between activities (after stop-signal check after step 1))" in waiting
     dumps = _dumps(run_dir)
     assert "run aborted by another rank" in dumps["rank1.txt"] and "in stuck" in dumps["rank1.txt"]
 
