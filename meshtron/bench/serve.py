@@ -157,7 +157,7 @@ def run_engine(model: GPTModel, prompts, outputs, args, max_num_seqs: int, cuda_
     return timings, wall, [done[i][1] for i in ids]
 
 
-class _StepClock:
+class StepClock:
     """A logits processor that only notes when each generation step's logits are ready."""
 
     def __init__(self) -> None:
@@ -186,7 +186,7 @@ def run_static_hf(hf_dir: Path, prompts, outputs, args) -> tuple[list[Timing], f
             input_ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
         longest = max(outputs[i] for i in index)
-        clock = _StepClock()
+        clock = StepClock()
         with torch.inference_mode():
             input_ids, mask = input_ids.to(args.device), mask.to(args.device)
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=longest,

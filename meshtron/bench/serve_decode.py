@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshtron.bench.serve import StepClock
 from meshtron.config.schema import ModelConfig
 from meshtron.models import GPTModel
 
@@ -195,21 +196,10 @@ def engine_decode(engine, prompt: list[int], num_tokens: int) -> tuple[float, li
     return rate, list(last.token_ids), info
 
 
-class _StepClock:
-    """A logits processor that notes when each generation step's logits are ready."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def transformers_decode(hf_model, prompt: list[int], num_tokens: int) -> tuple[float, list[int], dict[str, Any]]:
     from transformers import LogitsProcessorList
 
-    clock = _StepClock()
+    clock = StepClock()
     with torch.inference_mode():
         out = hf_model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
