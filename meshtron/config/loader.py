@@ -143,6 +143,7 @@ def load_config(path: str | Path | None = None, overrides: Optional[Mapping[str,
                 _check_used(command, section, fields, p)
             for name, value in fields.items():
                 _assign(cfg, section, str(name), value, hint)
+        cfg.tokenizer.path = _beside(p, cfg.tokenizer.path)
     for key, value in (overrides or {}).items():
         if "." not in key:
             raise ConfigError(f"--{key}: overrides are --section.field value, e.g. --train.train_iters 100")
@@ -156,6 +157,15 @@ def load_config(path: str | Path | None = None, overrides: Optional[Mapping[str,
     if validate:
         cfg.validate(world_size=world_size or int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
+
+
+def _beside(config_file: Path, path: Optional[str]) -> Optional[str]:
+    """A relative path of a YAML file that names nothing from the working directory but something next
+    to the file is read from there: a checkpoint's config.yaml names its carried tokenizer relatively."""
+    if not path or Path(path).is_absolute() or Path(path).exists():
+        return path
+    beside = config_file.parent / path
+    return str(beside) if beside.exists() else path
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

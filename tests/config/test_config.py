@@ -132,3 +132,17 @@ def test_resolved_config_written_to_run_dir(tiny_config):
     Trainer(cfg).train()
     saved = yaml.safe_load(open(f"{cfg.train.run_dir}/config.yaml"))
     assert saved == config_to_dict(cfg)
+
+
+def test_a_relative_tokenizer_path_is_found_next_to_the_config_file(tmp_path, monkeypatch):
+    """A checkpoint's config.yaml names its carried tokenizer relatively: `--config` of that file from
+    another directory reads the tokenizer next to it; a path that exists from the working directory wins."""
+    step = tmp_path / "ckpt" / "step_00000010"
+    (step / "tokenizer").mkdir(parents=True)
+    (step / "config.yaml").write_text("tokenizer:\n  type: hf\n  path: tokenizer\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_config(step / "config.yaml", validate=False).tokenizer.path == str(step / "tokenizer")
+    (elsewhere / "tokenizer").mkdir()
+    assert load_config(step / "config.yaml", validate=False).tokenizer.path == "tokenizer"

@@ -5,7 +5,7 @@ planned for its world size (`meshtron plan`: the layout, divisibility and batch 
 without starting processes), configs named by the docs validate, Makefile targets, scripts, pip
 extras and relative links exist, Python blocks compile.
 
-Slow suite: the pages run top to bottom in one sandbox prepared like `make run` (tiny sizes from
+Slow suite: each page runs top to bottom in its own copy of a sandbox prepared like `make run` (tiny sizes from
 doc_commands.SHRINK); `meshtron serve` starts in the background on a free port for the page's curl
 lines and Python blocks. See doc_commands.py for the rules.
 """
@@ -17,6 +17,7 @@ import functools
 import importlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -310,7 +311,10 @@ def run_item(sandbox: Path, kind: str, item, port: int, servers: list) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", FILES, ids=IDS)
-def test_doc_commands_run(path, sandbox):
+def test_doc_commands_run(path, sandbox, tmp_path):
+    """Each page runs in its own copy of the `make run` state: a page's runs do not meet another page's
+    (a run directory that holds a run is refused, as a user re-running a command would see)."""
+    sandbox = Path(shutil.copytree(sandbox, tmp_path / "box", symlinks=True))
     port, servers, problems = free_port(), [], []
     try:
         for _, kind, item in page_items(path):

@@ -359,9 +359,18 @@ def test_engine_flags_round_trip_through_the_serve_parser():
 
 # ---- the command ----------------------------------------------------------------------------------------
 
-def replica_pids(front_pid: int) -> list[int]:
-    children = Path(f"/proc/{front_pid}/task/{front_pid}/children").read_text().split()
-    return [int(p) for p in children]
+def replica_pids(front_pid: int) -> dict[str, int]:
+    """{replica name: pid} of the front's replica processes (their --replica-name)."""
+    children = [int(p) for p in Path(f"/proc/{front_pid}/task/{front_pid}/children").read_text().split()]
+    names = {}
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        if "--replica-name" in argv:
+            names[argv[argv.index("--replica-name") + 1]] = pid
+    return names
+
+
+MAX_TOKENS = 400  # long enough that a replica still holds several requests when the stats next refresh
 
 
 @pytest.mark.slow
@@ -375,7 +384,7 @@ def test_serve_dp_survives_a_killed_replica(tmp_path):
     from meshtron.testing.multiprocess import free_port
     from tests.inference.helpers import save_tiny_checkpoint
 
-    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny", max_len=MAX_TOKENS + 16)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     front = subprocess.Popen([sys.executable, "-m", "meshtron", "serve", "--checkpoint", ckpt, "--port", str(port),
@@ -388,32 +397,36 @@ def test_serve_dp_survives_a_killed_replica(tmp_path):
         wait_ready(url, front, timeout_s=300)
         assert httpx.get(url + "/health").json() == {"status": "ok", "replicas": 2}
         pids = replica_pids(front.pid)
-        assert len(pids) == 2
+        assert sorted(pids) == ["replica-0", "replica-1"]
 
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-                tasks = [asyncio.create_task(c.post("/v1/completions", json={"prompt": p, "max_tokens": 80,
+                tasks = [asyncio.create_task(c.post("/v1/completions", json={"prompt": p, "max_tokens": MAX_TOKENS,
                                                                              "temperature": 0, "ignore_eos": True}))
                          for p in prompts]
-                while True:  # one replica holds several (it runs one at a time): kill it
+                deadline = time.monotonic() + 120
+                while True:  # a replica holds several (it runs one at a time): kill it
                     loads = (await c.get("/v1/engine/stats")).json()["replicas"]
-                    if loads.get("replica-0", {}).get("in_flight", 0) >= 4:
+                    name = max(loads, key=lambda n: loads[n].get("in_flight", 0), default=None)
+                    if name is not None and loads[name].get("in_flight", 0) >= 3:
                         break
+                    assert time.monotonic() < deadline, f"no replica held 3 requests at once: {loads}"
                     await asyncio.sleep(0.05)
-                os.kill(pids[0], signal.SIGKILL)
-                return [(await t).json() for t in tasks]
+                os.kill(pids[name], signal.SIGKILL)
+                return name, [(await t).json() for t in tasks]
 
-        answers = asyncio.run(main())
+        killed, answers = asyncio.run(main())
+        survivor = ({"replica-0", "replica-1"} - {killed}).pop()
         wait_until(lambda: httpx.get(url + "/health").json()["replicas"] == 1, "the killed replica to be dropped")
-        served = httpx.get(url + "/v1/engine/stats").json()["replicas"]["replica-1"]["served"]
+        served = httpx.get(url + "/v1/engine/stats").json()["replicas"][survivor]["served"]
         local = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_blocks=64)).generate(
-            prompts, SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
         assert [a["choices"][0]["text"] for a in answers] == [o.text for o in local]
         assert served > 6  # its own share and the killed replica's unfinished ones
 
         async def drained():
             async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-                body = {"prompt": prompts[0], "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": True}
+                body = {"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
                 async with c.stream("POST", "/v1/completions", json=body) as s:
                     lines = s.aiter_lines()
                     got = [line async for line in _until_data(lines)]
@@ -425,8 +438,8 @@ def test_serve_dp_survives_a_killed_replica(tmp_path):
         assert streamed[-1] == "data: [DONE]"
         assert "".join(json.loads(line[5:])["choices"][0]["text"] for line in streamed[:-1]) == local[0].text
         assert front.wait(timeout=120) == 0
-        wait_until(lambda: not Path(f"/proc/{pids[1]}").exists() or
-                   Path(f"/proc/{pids[1]}/stat").read_text().split()[2] == "Z", "the survivor to exit", 60)
+        wait_until(lambda: not Path(f"/proc/{pids[survivor]}").exists() or
+                   Path(f"/proc/{pids[survivor]}/stat").read_text().split()[2] == "Z", "the survivor to exit", 60)
     finally:
         if front.poll() is None:
             front.kill()
