@@ -75,6 +75,14 @@ def test_generate_works_from_another_directory(trained, tmp_path, monkeypatch, g
     assert there.stdout == here.stdout and here.stdout.startswith("def ")
 
 
+def test_meshtron_to_hf_exports_the_carried_tokenizer(trained, tmp_path, monkeypatch):
+    """The carried tokenizer (named relative to the checkpoint) goes into the HF directory, from any directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "meshtron-to-hf", "--checkpoint", str(trained / "run" / "checkpoints"),
+                 "--output", "hf"]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (trained / "tok" / "tokenizer.json").read_bytes()
+
+
 def test_an_older_checkpoint_with_a_working_directory_path_and_the_tokenizer_override(trained, tmp_path,
                                                                                      monkeypatch, generate):
     """A checkpoint written before tokenizers were carried: config.yaml says tokenizer.path 'tok'."""

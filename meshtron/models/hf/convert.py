@@ -25,7 +25,12 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from meshtron.checkpoint.carry import SIDE_FILE_SUFFIXES, copy_side_files, side_files  # noqa: F401 (public here before)
+from meshtron.checkpoint.carry import (  # noqa: F401 (SIDE_FILE_SUFFIXES: public here before)
+    SIDE_FILE_SUFFIXES,
+    copy_side_files,
+    resolve_tokenizer_path,
+    side_files,
+)
 from meshtron.config.loader import config_from_dict, config_to_dict
 from meshtron.config.schema import ModelConfig, RunConfig
 from meshtron.models.gpt import GPTModel
@@ -201,6 +206,7 @@ def meshtron_to_hf(checkpoint: str | Path, output: str | Path, *, architecture: 
     """
     tensors = CheckpointTensors(checkpoint)
     run_cfg = config_from_dict(yaml.safe_load((tensors.step_dir / "config.yaml").read_text()))
+    run_cfg.tokenizer.path = resolve_tokenizer_path(run_cfg.tokenizer.path, tensors.step_dir)  # carried: relative
     if "embedding.weight" not in tensors.shapes:
         raise ConversionError(f"checkpoint {str(tensors.step_dir)!r} holds no model weights (embedding.weight)")
     vocab = tensors.shapes["embedding.weight"][0][0]
