@@ -178,7 +178,7 @@ def mode_pp(args: argparse.Namespace) -> dict[str, Any]:
         # a time they take turns (micro-batches overlap only within a step): wall time ~ the total
         busiest = statistics.median(max(c) for c in cpus[name]) if name in overlapping else total_cpu
         rows.append({"system": name, "wall_s": round(wall, 3), "output_tokens_per_s": round(tokens / wall, 1),
-                     "vs_single": round(single / wall, 3), "walls": [round(x, 3) for x in w],
+                     "vs_single": round(single / wall, 3), "walls": [round(x, 6) for x in w],
                      # CPU seconds: all processes together (the work, overhead included) and the busiest
                      # process (the bound on wall time with every stage on a core of its own)
                      "cpu_s": round(total_cpu, 3), "cpu_vs_single": round(total_cpu / single_cpu, 3),
