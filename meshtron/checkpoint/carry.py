@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import yaml
 
+from meshtron.config.loader import path_beside
+
 TOKENIZER_DIR = "tokenizer"
 # Files beside a model's weights that tokenizers, chat templates and generation settings are read from.
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
@@ -63,15 +65,8 @@ def self_contained_config(config: dict[str, Any]) -> tuple[str, dict[str, Callab
 
 
 def resolve_tokenizer_path(path: Optional[str], step_dir: Path) -> Optional[str]:
-    """The tokenizer path of a checkpoint's config as a usable path: a relative path that exists inside
-    the step directory is read from there; anything else (absolute, or relative to the working
-    directory, as older checkpoints wrote it) is returned unchanged."""
-    if not path or Path(path).is_absolute():
-        return path
-    inside = step_dir / path
-    if inside.exists() and inside.resolve().is_relative_to(step_dir.resolve()):
-        return str(inside)
-    return path
+    """The tokenizer path of a checkpoint's config as a usable path (`path_beside` the step directory)."""
+    return path_beside(path, step_dir)
 
 
 def checkpoint_run_config(path: str | Path, tokenizer: Optional[str] = None):

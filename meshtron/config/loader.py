@@ -143,7 +143,7 @@ def load_config(path: str | Path | None = None, overrides: Optional[Mapping[str,
                 _check_used(command, section, fields, p)
             for name, value in fields.items():
                 _assign(cfg, section, str(name), value, hint)
-        cfg.tokenizer.path = _beside(p, cfg.tokenizer.path)
+        cfg.tokenizer.path = path_beside(cfg.tokenizer.path, p.parent)
     for key, value in (overrides or {}).items():
         if "." not in key:
             raise ConfigError(f"--{key}: overrides are --section.field value, e.g. --train.train_iters 100")
@@ -159,13 +159,16 @@ def load_config(path: str | Path | None = None, overrides: Optional[Mapping[str,
     return cfg
 
 
-def _beside(config_file: Path, path: Optional[str]) -> Optional[str]:
-    """A relative path of a YAML file that names nothing from the working directory but something next
-    to the file is read from there: a checkpoint's config.yaml names its carried tokenizer relatively."""
-    if not path or Path(path).is_absolute() or Path(path).exists():
+def path_beside(path: Optional[str], directory: Path) -> Optional[str]:
+    """A relative `path` that exists inside `directory` is read from there (a checkpoint's config.yaml
+    names its carried tokenizer relative to itself); anything else (absolute, or relative to the working
+    directory, as older checkpoints and hand-written configs name it) is returned unchanged."""
+    if not path or Path(path).is_absolute():
         return path
-    beside = config_file.parent / path
-    return str(beside) if beside.exists() else path
+    inside = directory / path
+    if inside.exists() and inside.resolve().is_relative_to(directory.resolve()):
+        return str(inside)
+    return path
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def test_resolved_config_written_to_run_dir(tiny_config):
 
 def test_a_relative_tokenizer_path_is_found_next_to_the_config_file(tmp_path, monkeypatch):
     """A checkpoint's config.yaml names its carried tokenizer relatively: `--config` of that file from
-    another directory reads the tokenizer next to it; a path that exists from the working directory wins."""
+    another directory reads the tokenizer next to it, also when the working directory has one of that name."""
     step = tmp_path / "ckpt" / "step_00000010"
     (step / "tokenizer").mkdir(parents=True)
     (step / "config.yaml").write_text("tokenizer:\n  type: hf\n  path: tokenizer\n")
@@ -145,4 +145,6 @@ def test_a_relative_tokenizer_path_is_found_next_to_the_config_file(tmp_path, mo
     monkeypatch.chdir(elsewhere)
     assert load_config(step / "config.yaml", validate=False).tokenizer.path == str(step / "tokenizer")
     (elsewhere / "tokenizer").mkdir()
-    assert load_config(step / "config.yaml", validate=False).tokenizer.path == "tokenizer"
+    assert load_config(step / "config.yaml", validate=False).tokenizer.path == str(step / "tokenizer")
+    (step / "config.yaml").write_text("tokenizer:\n  type: hf\n  path: ../../elsewhere/tokenizer\n")
+    assert load_config(step / "config.yaml", validate=False).tokenizer.path == "../../elsewhere/tokenizer"
